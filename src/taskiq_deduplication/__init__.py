@@ -1,0 +1,11 @@
+"""Deduplication for taskiq: the same task is never queued or run twice at once.
+
+Register :class:`RedisDeduplicationMiddleware` on the broker; a ``kiq()`` whose
+task is already queued or running raises :class:`DuplicateTaskError`.
+"""
+
+from taskiq_deduplication.__about__ import __version__
+from taskiq_deduplication.exceptions import DuplicateTaskError
+from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
+
+__all__ = ["DuplicateTaskError", "RedisDeduplicationMiddleware", "__version__"]

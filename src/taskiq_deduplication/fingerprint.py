@@ -1,0 +1,124 @@
+"""The fingerprint of a task call: a SHA-256 digest of a canonical encoding.
+
+Two calls get the same fingerprint exactly when a worker would receive the same
+call: the same task name, the same positional arguments and the same keyword
+arguments (in any order). Values are compared as taskiq sends them, as JSON:
+``1``, ``1.0``, ``"1"`` and ``True`` differ; a ``UUID`` and its string, or a
+pydantic model and the dict it dumps to, do not. Values that JSON alone cannot
+encode (UUID, datetime, Decimal, pydantic models, dataclasses, enums, sets,
+bytes, ...) are encoded deterministically, so a set fingerprints the same in
+every process whatever its iteration order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pydantic
+import pydantic_core
+
+__all__ = ["call_fingerprint", "fields_fingerprint"]
+
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+def call_fingerprint(task_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+    """Fingerprint a whole call: task name, positional and keyword arguments.
+
+    Args:
+        task_name: Name of the task.
+        args: Positional arguments, as in the message.
+        kwargs: Keyword arguments, as in the message.
+
+    Returns:
+        The hex SHA-256 digest (64 characters).
+
+    Raises:
+        TypeError: An argument has a type that cannot be encoded.
+    """
+    return _digest(task_name, [task_name, list(args), dict(kwargs)])
+
+
+def fields_fingerprint(task_name: str, fields: Mapping[str, Any]) -> str:
+    """Fingerprint a task name and a chosen subset of its keyword arguments.
+
+    The encoding has a different shape from :func:`call_fingerprint`'s, so a
+    fields fingerprint never equals a whole-call one.
+
+    Args:
+        task_name: Name of the task.
+        fields: The keyword arguments that make up the key.
+
+    Returns:
+        The hex SHA-256 digest (64 characters).
+
+    Raises:
+        TypeError: An argument has a type that cannot be encoded.
+    """
+    return _digest(task_name, [task_name, dict(fields)])
+
+
+def _digest(task_name: str, call: list[Any]) -> str:
+    try:
+        canonical = _canonical(call, depth=0)
+        encoded = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        msg = (
+            f"cannot fingerprint the arguments of task {task_name!r}: {exc}. "
+            "Pass values that taskiq can serialise, or set the 'deduplication_key' "
+            "label to choose the lock key yourself."
+        )
+        raise TypeError(msg) from None
+    return hashlib.sha256(encoded.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+_MAX_DEPTH = 200
+
+
+def _canonical(value: Any, depth: int) -> Any:  # noqa: ANN401, PLR0911 (one branch per kind)
+    """Turn ``value`` into plain JSON data that encodes it deterministically."""
+    if depth > _MAX_DEPTH:
+        msg = "arguments nested too deeply (a circular reference?)"
+        raise ValueError(msg)
+    depth += 1
+    if isinstance(value, _JSON_SCALARS):
+        return value
+    if isinstance(value, Mapping):
+        return {_canonical_key(k): _canonical(v, depth) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(item, depth) for item in value]
+    if isinstance(value, (set, frozenset)):
+        items = [_canonical(item, depth) for item in value]
+        return sorted(items, key=_sort_key)
+    if isinstance(value, pydantic.BaseModel):
+        # Python mode keeps nested sets as sets, so their order is fixed above.
+        return _canonical(value.model_dump(mode="python"), depth)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        return _canonical(fields, depth)
+    if isinstance(value, enum.Enum):
+        return _canonical(value.value, depth)
+    try:
+        jsonable = pydantic_core.to_jsonable_python(value)
+    except pydantic_core.PydanticSerializationError:
+        msg = f"values of type {type(value).__qualname__} cannot be encoded"
+        raise TypeError(msg) from None
+    return _canonical(jsonable, depth)
+
+
+def _canonical_key(key: object) -> str:
+    if isinstance(key, str):
+        return key
+    if isinstance(key, _JSON_SCALARS):
+        # The same spelling json gives a non-string key: 1 -> "1", None -> "null".
+        return json.dumps(key)
+    return _sort_key(_canonical(key, depth=0))
+
+
+def _sort_key(item: object) -> str:
+    return json.dumps(item, sort_keys=True, separators=(",", ":"), ensure_ascii=False)

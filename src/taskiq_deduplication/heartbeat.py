@@ -1,0 +1,123 @@
+"""The heartbeat: one loop per process that keeps the locks of running tasks alive.
+
+Each running task is a :class:`Beat` with its own interval. The loop sleeps until
+the earliest beat is due, then re-asserts every beat that is due or within half
+an interval of it, all in one batch. Beats that start at different moments are
+thereby pulled together, so a worker running thousands of tasks with the same
+TTL spends about one round trip per interval, not one per task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+from taskiq_deduplication.lock import REDIS_ERRORS, Lock, LockStore, Reasserted, holder_task_id
+
+logger = logging.getLogger(__name__)
+
+# How soon a refresh that failed on a Redis error is tried again, at the most.
+_RETRY_AFTER = 1.0
+
+
+@dataclass(eq=False, slots=True)
+class Beat:
+    """The lock of one running task, and when it is next refreshed."""
+
+    lock: Lock
+    task_name: str
+    interval: float
+    due: float = 0.0
+
+
+class Heartbeat:
+    """Refreshes the locks of running tasks until each task ends."""
+
+    def __init__(self, store: LockStore) -> None:
+        """Create an idle heartbeat; its loop runs only while there are beats."""
+        self._store = store
+        self._beats: set[Beat] = set()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._wakeup = asyncio.Event()
+        self._next_wake = float("inf")
+
+    def __len__(self) -> int:
+        """The number of locks being kept alive."""
+        return len(self._beats)
+
+    def add(self, beat: Beat) -> None:
+        """Keep ``beat``'s lock alive, first refreshing it one interval from now."""
+        beat.due = time.monotonic() + beat.interval
+        self._beats.add(beat)
+        if beat.due < self._next_wake:
+            self._wakeup.set()
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    def discard(self, beat: Beat) -> None:
+        """Stop refreshing ``beat``'s lock; a refresh already sent may still land."""
+        self._beats.discard(beat)
+        if not self._beats:
+            self._wakeup.set()
+
+    async def stop(self) -> None:
+        """Stop refreshing every lock and end the loop."""
+        self._beats.clear()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+            self._loop_task = None
+
+    async def _run(self) -> None:
+        while self._beats:
+            now = time.monotonic()
+            self._next_wake = min(beat.due for beat in self._beats)
+            if self._next_wake > now:
+                self._wakeup.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), self._next_wake - now)
+                continue
+            self._next_wake = float("inf")
+            due = [beat for beat in self._beats if beat.due - beat.interval / 2 <= now]
+            for beat in due:
+                beat.due = now + beat.interval
+            await self._refresh(due)
+
+    async def _refresh(self, beats: list[Beat]) -> None:
+        try:
+            replies = await self._store.reassert([beat.lock for beat in beats])
+        except REDIS_ERRORS as exc:
+            logger.warning(
+                "Could not refresh %d deduplication lock(s): %s: %s; trying again",
+                len(beats),
+                type(exc).__name__,
+                exc,
+            )
+            retry_at = time.monotonic() + _RETRY_AFTER
+            for beat in beats:
+                beat.due = min(beat.due, retry_at)
+            return
+        for beat, reply in zip(beats, replies, strict=True):
+            if beat not in self._beats:
+                continue  # the task ended while the refresh was in flight
+            if reply == Reasserted.TAKEN_BACK:
+                logger.warning(
+                    "Lock %r of running task %s (%s) had vanished; taken back",
+                    beat.lock.key,
+                    beat.task_name,
+                    beat.lock.task_id,
+                )
+            elif isinstance(reply, str):
+                logger.warning(
+                    "Lock %r of running task %s (%s) is now held by task %s; "
+                    "no longer refreshing it",
+                    beat.lock.key,
+                    beat.task_name,
+                    beat.lock.task_id,
+                    holder_task_id(reply),
+                )
+                self._beats.discard(beat)

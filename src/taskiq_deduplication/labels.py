@@ -1,0 +1,191 @@
+"""Reading the task labels: strict on the sender, tolerant on the worker.
+
+taskiq turns every label into a string before any middleware sees it
+(``deduplication=False`` arrives as ``"False"``, ``deduplication_key_fields=["a"]``
+as ``"['a']"``), and scheduled sends lose even the type table the worker uses to
+turn them back. So every label is read here from its string form as well as
+from its Python value. Parsing is cached per raw value: the same few label
+values come back on every ``kiq``.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+ENABLED_LABEL = "deduplication"
+TTL_LABEL = "deduplication_ttl"
+KEY_LABEL = "deduplication_key"
+KEY_FIELDS_LABEL = "deduplication_key_fields"
+
+# Added by the sender to each message it locked; read back by the worker.
+# They travel raw (as strings), like taskiq's own "_retries".
+LOCK_KEY_LABEL = "_deduplication_lock_key"
+LOCK_TOKEN_LABEL = "_deduplication_lock_token"  # noqa: S105 (a label name, not a secret)
+LOCK_TTL_LABEL = "_deduplication_lock_ttl"
+LOCK_LABELS = (LOCK_KEY_LABEL, LOCK_TOKEN_LABEL, LOCK_TTL_LABEL)
+
+_TRUE = frozenset({"true", "1", "yes", "on"})
+_FALSE = frozenset({"false", "0", "no", "off"})
+
+
+@dataclass(frozen=True, slots=True)
+class SendOptions:
+    """What the labels of one send ask for, once deduplication is on."""
+
+    ttl: int
+    """Lock TTL in seconds."""
+    key: str | None
+    """Explicit lock key, or ``None`` to fingerprint the call."""
+    key_fields: tuple[str, ...] | None
+    """Keyword arguments that make up the fingerprint, or ``None`` for all of them."""
+
+
+def read_send_options(
+    labels: Mapping[str, Any], *, default_enabled: bool, default_ttl: int
+) -> SendOptions | None:
+    """Read the deduplication labels of a message about to be sent.
+
+    Args:
+        labels: The message's labels.
+        default_enabled: Whether deduplication is on when the label is absent.
+        default_ttl: Lock TTL in seconds when the label is absent.
+
+    Returns:
+        The options, or ``None`` when deduplication is off for this send.
+
+    Raises:
+        ValueError: A label has a value that is not valid; the message names
+            the label and the value.
+    """
+    enabled = labels.get(ENABLED_LABEL)
+    if not (default_enabled if enabled is None else _parse(_parse_bool, ENABLED_LABEL, enabled)):
+        return None
+    ttl = labels.get(TTL_LABEL)
+    key = labels.get(KEY_LABEL)
+    fields = labels.get(KEY_FIELDS_LABEL)
+    return SendOptions(
+        ttl=default_ttl if ttl is None else _parse(_parse_ttl, TTL_LABEL, ttl),
+        key=None if key is None else _parse(_parse_key, KEY_LABEL, key),
+        key_fields=None if fields is None else _parse(_parse_key_fields, KEY_FIELDS_LABEL, fields),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class LockLabels:
+    """The lock a sender took for a message, as the worker reads it back."""
+
+    key: str
+    token: str
+    ttl: int
+
+
+def read_lock_labels(labels: Mapping[str, Any]) -> LockLabels | None:
+    """Read the lock a sender recorded on a message, never raising.
+
+    Args:
+        labels: The labels of a received message.
+
+    Returns:
+        The lock, or ``None`` when the message carries no (well-formed) lock:
+        sent without deduplication, or by a sender without this middleware.
+    """
+    key = labels.get(LOCK_KEY_LABEL)
+    token = labels.get(LOCK_TOKEN_LABEL)
+    ttl = labels.get(LOCK_TTL_LABEL)
+    if not (isinstance(key, str) and isinstance(token, str) and key and token):
+        return None
+    try:
+        seconds = _parse_ttl(ttl)
+    except (TypeError, ValueError):  # TypeError: an unhashable value
+        return None
+    return LockLabels(key=key, token=token, ttl=seconds)
+
+
+def write_lock_labels(labels: dict[str, Any], key: str, token: str, ttl: int) -> None:
+    """Record on a message the lock its sender took."""
+    labels[LOCK_KEY_LABEL] = key
+    labels[LOCK_TOKEN_LABEL] = token
+    labels[LOCK_TTL_LABEL] = str(ttl)
+
+
+def drop_lock_labels(labels: dict[str, Any]) -> None:
+    """Remove a lock record, e.g. one a retry copied from the attempt before."""
+    for label in LOCK_LABELS:
+        labels.pop(label, None)
+
+
+def _parse(parser: Any, label: str, value: object) -> Any:  # noqa: ANN401 (each parser has its own type)
+    try:
+        hash(value)
+    except TypeError:  # an unhashable raw value (a list) skips the cache
+        parser = parser.__wrapped__
+    try:
+        return parser(value)
+    except ValueError as exc:
+        msg = f"invalid value {value!r} for label {label!r}: {exc}"
+        raise ValueError(msg) from None
+
+
+@functools.lru_cache(maxsize=256, typed=True)
+def _parse_bool(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    msg = "expected a boolean (True or False)"
+    raise ValueError(msg)
+
+
+@functools.lru_cache(maxsize=256, typed=True)
+def _parse_ttl(value: object) -> int:
+    if isinstance(value, bool):
+        msg = "expected a whole number of seconds, not a boolean"
+        raise ValueError(msg)
+    if isinstance(value, int):
+        seconds = value
+    elif isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        seconds = int(value)
+    else:
+        msg = "expected a whole number of seconds"
+        raise ValueError(msg)
+    if seconds < 1:
+        msg = "the TTL must be at least 1 second"
+        raise ValueError(msg)
+    return seconds
+
+
+@functools.lru_cache(maxsize=256, typed=True)
+def _parse_key(value: object) -> str:
+    if not isinstance(value, str):
+        msg = "expected a string"
+        raise ValueError(msg)
+    if not value:
+        msg = "the key must not be empty"
+        raise ValueError(msg)
+    return value
+
+
+@functools.lru_cache(maxsize=256, typed=True)
+def _parse_key_fields(value: object) -> tuple[str, ...]:
+    names: object = value
+    if isinstance(value, str):
+        # "['user_id']" is how a list label arrives; '["user_id"]' (JSON) parses too.
+        try:
+            names = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            msg = "expected a list of keyword argument names, such as ['user_id']"
+            raise ValueError(msg) from None
+    if not isinstance(names, (list, tuple)) or not names:
+        msg = "expected a non-empty list of keyword argument names, such as ['user_id']"
+        raise ValueError(msg)
+    for name in names:
+        if not (isinstance(name, str) and name.isidentifier()):
+            msg = f"{name!r} is not a keyword argument name"
+            raise ValueError(msg)
+    return tuple(dict.fromkeys(names))

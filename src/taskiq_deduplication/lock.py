@@ -1,0 +1,264 @@
+"""The locks in Redis: acquire, extend, re-assert and release, owner-checked in Lua.
+
+A lock is one string key, ``<key_prefix>:<fingerprint or explicit key>``, whose
+value is ``"<owner token> <task_id>"``: the token is new for every send, so a
+lock can only be extended or released by the send that took it, and the
+task_id names the holder in a :class:`~taskiq_deduplication.DuplicateTaskError`.
+
+Every command goes through one :class:`_Pipeline`: the commands that callers
+issue in the same instant travel in one round trip, in the order they were
+issued, over one connection at a time. Order matters (a release must not be
+overtaken by a heartbeat refresh of the same lock), and one connection means
+that a burst of ``kiq`` calls waits for Redis instead of exhausting the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections import deque
+from dataclasses import dataclass
+from importlib import resources
+from typing import TYPE_CHECKING, Any, Final
+
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError, RedisError
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from redis.asyncio import Redis
+    from redis.commands.core import AsyncScript
+
+    RedisClient = Redis | RedisCluster
+
+logger = logging.getLogger(__name__)
+
+#: The errors that mean "Redis could not be reached or did not answer".
+REDIS_ERRORS: Final = (RedisError, OSError, asyncio.TimeoutError)
+
+# Most commands to put in one pipeline, and most locks in one re-assert call.
+_MAX_BATCH: Final = 512
+_MAX_KEYS_PER_REASSERT: Final = 500
+
+
+def new_token() -> str:
+    """Make an owner token: unique per send, short, without spaces."""
+    return secrets.token_hex(8)
+
+
+def holder_task_id(value: str) -> str | None:
+    """The ``task_id`` in a lock's value, or ``None`` if the value is not ours."""
+    token, separator, task_id = value.partition(" ")
+    return task_id if separator and token else None
+
+
+@dataclass(frozen=True, slots=True)
+class Lock:
+    """One lock as its owner knows it."""
+
+    key: str
+    token: str
+    task_id: str
+    ttl_ms: int
+
+
+class Reasserted:
+    """Outcomes of a re-assert, besides the holder's value when someone else has it."""
+
+    REFRESHED: Final = 1
+    TAKEN_BACK: Final = 2
+
+
+@dataclass(slots=True)
+class _Call:
+    script: AsyncScript
+    keys: Sequence[str]
+    args: Sequence[str | int]
+    future: asyncio.Future[Any] | None
+    what: str = ""
+
+
+class _Pipeline:
+    """Sends script calls in order, batching those issued in the same instant."""
+
+    def __init__(self, client: RedisClient, scripts: Sequence[AsyncScript]) -> None:
+        self.client = client
+        self.scripts = scripts
+        self._queue: deque[_Call] = deque()
+        self._sender: asyncio.Task[None] | None = None
+
+    def call(self, script: AsyncScript, keys: Sequence[str], args: Sequence[str | int]) -> Any:  # noqa: ANN401 (a script's reply)
+        """Queue a script call; the returned future resolves with its reply."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Call(script, keys, args, future))
+        self._wake()
+        return future
+
+    def call_detached(
+        self, script: AsyncScript, keys: Sequence[str], args: Sequence[str | int], what: str
+    ) -> None:
+        """Queue a script call nobody waits for; a failure is logged as ``what``."""
+        self._queue.append(_Call(script, keys, args, None, what))
+        self._wake()
+
+    async def drain(self) -> None:
+        """Wait until every queued call has been sent and answered."""
+        while self._sender is not None and not self._sender.done():
+            await asyncio.shield(self._sender)
+
+    def _wake(self) -> None:
+        if self._sender is None or self._sender.done():
+            # The sender starts on the next loop iteration, so every caller that
+            # runs in this one joins the first batch.
+            self._sender = asyncio.get_running_loop().create_task(self._send_all())
+
+    async def _send_all(self) -> None:
+        while self._queue:
+            count = min(len(self._queue), _MAX_BATCH)
+            batch = [self._queue.popleft() for _ in range(count)]
+            try:
+                replies = await self._send(batch)
+            except asyncio.CancelledError:
+                _settle(batch, [asyncio.CancelledError()] * len(batch))
+                raise
+            except Exception as exc:  # noqa: BLE001 (handed to each caller)
+                replies = [exc] * len(batch)
+            _settle(batch, replies)
+
+    async def _send(self, batch: list[_Call]) -> list[Any]:
+        if len(batch) == 1:
+            call = batch[0]
+            try:
+                return [await self._evalsha(self.client, call)]
+            except NoScriptError:
+                await self._load_scripts()
+                return [await self._evalsha(self.client, call)]
+        replies = await self._send_pipelined(batch)
+        missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if missing:
+            # The server lost its script cache (a restart or a failover). A call
+            # that failed this way did not run, so running it now is safe; all of
+            # our scripts go missing together, so the order of a batch holds.
+            await self._load_scripts()
+            retried = await self._send_pipelined([batch[i] for i in missing])
+            for i, reply in zip(missing, retried, strict=True):
+                replies[i] = reply
+        return replies
+
+    async def _send_pipelined(self, batch: list[_Call]) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        for call in batch:
+            self._evalsha(pipe, call)
+        return list(await pipe.execute(raise_on_error=False))
+
+    @staticmethod
+    def _evalsha(client: Any, call: _Call) -> Any:  # noqa: ANN401 (client or pipeline)
+        return client.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+
+    async def _load_scripts(self) -> None:
+        for script in self.scripts:
+            script.sha = await self.client.script_load(script.script)
+
+
+def _settle(batch: list[_Call], replies: list[Any]) -> None:
+    for call, reply in zip(batch, replies, strict=True):
+        if call.future is None:
+            if isinstance(reply, BaseException):
+                logger.warning("Could not %s: %s: %s", call.what, type(reply).__name__, reply)
+        elif call.future.done():
+            pass  # its caller was cancelled and no longer waits
+        elif isinstance(reply, BaseException):
+            call.future.set_exception(reply)
+        else:
+            call.future.set_result(reply)
+
+
+def _load_script(client: RedisClient, name: str) -> AsyncScript:
+    source = resources.files(__package__).joinpath(f"lua/{name}.lua").read_text("utf-8")
+    return client.register_script(source)
+
+
+class LockStore:
+    """The lock operations, each one owner-checked Lua script, sent in batches."""
+
+    def __init__(self, client: RedisClient) -> None:
+        """Register the scripts on ``client``; nothing is sent yet."""
+        self._acquire = _load_script(client, "acquire")
+        self._extend = _load_script(client, "extend")
+        self._release = _load_script(client, "release")
+        self._reassert = _load_script(client, "reassert")
+        self._pipeline = _Pipeline(
+            client, (self._acquire, self._extend, self._release, self._reassert)
+        )
+        # A multi-key script must stay in one hash slot on a cluster.
+        self._keys_per_reassert = 1 if isinstance(client, RedisCluster) else _MAX_KEYS_PER_REASSERT
+
+    async def load_scripts(self) -> None:
+        """Load the scripts into the server, so the first calls need no fallback."""
+        await self._pipeline._load_scripts()  # noqa: SLF001 (same module family)
+
+    async def acquire(self, lock: Lock, ttl_ms: int, takeover_task_id: str = "") -> str | None:
+        """Take ``lock`` for ``ttl_ms`` milliseconds.
+
+        Args:
+            lock: The lock to take.
+            ttl_ms: Its TTL for now (the grace TTL of a send in flight).
+            takeover_task_id: A ``task_id`` whose lock may be replaced by this one
+                (a retry re-sending a running task), or ``""``.
+
+        Returns:
+            ``None`` when the lock is taken, else the value of the current holder.
+        """
+        reply = await self._pipeline.call(
+            self._acquire, [lock.key], [lock.token, lock.task_id, ttl_ms, takeover_task_id]
+        )
+        return None if reply is None else _text(reply)
+
+    def extend_detached(self, lock: Lock) -> None:
+        """Give ``lock`` its full TTL if still owned, without waiting for the reply."""
+        self._pipeline.call_detached(
+            self._extend, [lock.key], [lock.token, lock.ttl_ms], f"extend lock {lock.key!r}"
+        )
+
+    def release_detached(self, lock: Lock) -> None:
+        """Release ``lock`` if still owned, without waiting for the reply."""
+        self._pipeline.call_detached(
+            self._release, [lock.key], [lock.token], f"release lock {lock.key!r}"
+        )
+
+    async def release(self, lock: Lock) -> bool:
+        """Release ``lock`` if still owned; return whether it was."""
+        return bool(await self._pipeline.call(self._release, [lock.key], [lock.token]))
+
+    async def reassert(self, locks: Sequence[Lock]) -> list[int | str]:
+        """Refresh each lock still owned, take back each that vanished.
+
+        Returns:
+            Per lock: :attr:`Reasserted.REFRESHED`, :attr:`Reasserted.TAKEN_BACK`,
+            or the value of the lock another send holds now.
+        """
+        step = self._keys_per_reassert
+        futures = []
+        for start in range(0, len(locks), step):
+            chunk = locks[start : start + step]
+            args: list[str | int] = []
+            for lock in chunk:
+                args += (lock.token, lock.task_id, lock.ttl_ms)
+            futures.append(self._pipeline.call(self._reassert, [lk.key for lk in chunk], args))
+        replies = await asyncio.gather(*futures, return_exceptions=True)
+        outcomes: list[int | str] = []
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
+            outcomes += (r if isinstance(r, int) else _text(r) for r in reply)
+        return outcomes
+
+    async def drain(self) -> None:
+        """Wait until every queued command has been answered."""
+        await self._pipeline.drain()
+
+
+def _text(reply: bytes | str) -> str:
+    return reply.decode("utf-8", "replace") if isinstance(reply, bytes) else reply

@@ -1,0 +1,21 @@
+-- Take a deduplication lock, or report who holds it, in one atomic step.
+--
+-- KEYS[1]  the lock key
+-- ARGV[1]  owner token of this send (unique per send, no spaces)
+-- ARGV[2]  task_id of this send
+-- ARGV[3]  TTL of the lock in milliseconds
+-- ARGV[4]  task_id whose lock this send may take over (a retry of a running
+--          task re-sends its own task_id), or "" for an ordinary send
+--
+-- The lock's value is "<owner token> <task_id>".
+-- Returns false (a nil reply) when the lock is now this send's, otherwise the
+-- value of the lock that another send holds.
+local current = redis.call('GET', KEYS[1])
+if current then
+  local separator = string.find(current, ' ', 1, true)
+  if ARGV[4] == '' or not separator or string.sub(current, separator + 1) ~= ARGV[4] then
+    return current
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. ARGV[2], 'PX', ARGV[3])
+return false

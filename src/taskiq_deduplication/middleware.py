@@ -1,0 +1,535 @@
+"""The middleware: the life of a deduplicated task, hook by hook.
+
+Send (``pre_send``): fingerprint the call, take its lock for a short grace TTL,
+refuse the send with :class:`DuplicateTaskError` if another task holds it.
+Sent (``post_send``): the broker has the message; give the lock its full TTL.
+Run (``pre_execute``): re-assert the lock and let the heartbeat keep it alive.
+End (``on_error``, ``post_execute``): stop the heartbeat, release the lock.
+
+The mechanics live next door: :mod:`.labels` reads the labels, :mod:`.fingerprint`
+makes the key, :mod:`.lock` talks to Redis and :mod:`.heartbeat` refreshes locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+from pydantic import RedisDsn
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import parse_url
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from taskiq import TaskiqMessage, TaskiqMiddleware, TaskiqResult
+
+from taskiq_deduplication import labels
+from taskiq_deduplication.exceptions import DuplicateTaskError
+from taskiq_deduplication.fingerprint import call_fingerprint, fields_fingerprint
+from taskiq_deduplication.heartbeat import Beat, Heartbeat
+from taskiq_deduplication.lock import (
+    REDIS_ERRORS,
+    Lock,
+    LockStore,
+    Reasserted,
+    holder_task_id,
+    new_token,
+)
+
+if TYPE_CHECKING:
+    RedisClient = Redis | RedisCluster
+
+__all__ = ["RedisDeduplicationMiddleware"]
+
+logger = logging.getLogger(__name__)
+
+#: How long the lock of a send in flight lives before the broker accepts it.
+GRACE_TTL: Final = 10
+#: Bounds on every Redis call of a client built from ``redis_url`` (seconds);
+#: a URL query such as ``?socket_timeout=1`` overrides them.
+_DEFAULT_TIMEOUTS: Final = {"socket_timeout": 5.0, "socket_connect_timeout": 5.0, "timeout": 5.0}
+# taskiq's own label, counted up by Context.requeue() on the running message.
+_REQUEUE_LABEL: Final = "X-Taskiq-requeue"
+
+
+@dataclass(eq=False, slots=True)
+class _Execution:
+    """One run of a locked task in this process."""
+
+    lock: Lock
+    task_name: str
+    requeues: object
+    beat: Beat | None = None
+    owned: bool = True
+    ended: bool = False
+    superseded: bool = False
+    """A retry of this run took its lock over: this run must not release it."""
+    context: contextvars.Token[_Execution | None] | None = field(default=None, repr=False)
+    on_task_done: Any = field(default=None, repr=False)
+
+
+class RedisDeduplicationMiddleware(TaskiqMiddleware):
+    """Stops a taskiq application from queueing or running the same task twice.
+
+    Every ``kiq()`` takes a Redis lock keyed on the task's fingerprint (its name
+    and arguments, or an explicit key); an identical ``kiq()`` while the lock is
+    held raises :class:`~taskiq_deduplication.DuplicateTaskError`. A heartbeat
+    keeps the lock alive while the task runs, and the lock is released when the
+    task ends.
+
+    Example:
+        ```python
+        broker = ListQueueBroker("redis://localhost:6379").with_middlewares(
+            RedisDeduplicationMiddleware(redis_url="redis://localhost:6379"),
+        )
+        ```
+    """
+
+    def __init__(  # noqa: PLR0913 (the options of the spec, each with its default)
+        self,
+        redis_url: str | RedisDsn | None = None,
+        *,
+        default_deduplication: bool = True,
+        default_ttl: int = 300,
+        key_prefix: str = "taskiq:deduplication",
+        startup_retries: int = 3,
+        startup_retry_delay: float = 1.0,
+        heartbeat: bool = True,
+        heartbeat_interval: float | None = None,
+        fail_open: bool = False,
+        client: RedisClient | None = None,
+    ) -> None:
+        """Configure the middleware; nothing connects until the broker starts.
+
+        Args:
+            redis_url: Redis URL, as for ``Redis.from_url``: a string or a pydantic
+                ``RedisDsn``. The client built from it has connect and socket
+                timeouts of 5 seconds unless the URL's query sets them.
+            default_deduplication: Whether tasks are deduplicated unless their
+                ``deduplication`` label says otherwise.
+            default_ttl: Lock TTL in seconds, unless the ``deduplication_ttl``
+                label sets one.
+            key_prefix: Prefix of every lock key.
+            startup_retries: Connection attempts when the broker starts.
+            startup_retry_delay: Seconds before the second attempt, doubled
+                before each one after it.
+            heartbeat: Whether to refresh the lock while the task runs.
+            heartbeat_interval: Seconds between refreshes; by default a third of
+                the task's TTL, at least 1 second (and at most half the TTL).
+            fail_open: Whether a Redis error while taking the lock lets the task
+                go out without one (logged) instead of failing the send.
+            client: A ready ``redis.asyncio`` client (``Redis`` or ``RedisCluster``)
+                to use instead of ``redis_url``. The middleware does not close it.
+
+        Raises:
+            ValueError: An option is missing, of the wrong type or out of range.
+        """
+        super().__init__()
+        self._url = _check_connection(redis_url, client)
+        self._client = client
+        self._owns_client = client is None
+        self.default_deduplication = _check_bool("default_deduplication", default_deduplication)
+        self.default_ttl = _check_int("default_ttl", default_ttl, minimum=1)
+        self.key_prefix = _check_prefix(key_prefix)
+        self.startup_retries = _check_int("startup_retries", startup_retries, minimum=1)
+        self.startup_retry_delay = _check_seconds("startup_retry_delay", startup_retry_delay)
+        self.heartbeat = _check_bool("heartbeat", heartbeat)
+        self.heartbeat_interval = _check_interval(heartbeat_interval, self.default_ttl)
+        self.fail_open = _check_bool("fail_open", fail_open)
+        self._locks: LockStore | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # The run of a locked task in the current asyncio task: its hooks, and a
+        # retry that re-sends it from inside the run, find it here.
+        self._execution: contextvars.ContextVar[_Execution | None] = contextvars.ContextVar(
+            f"taskiq_deduplication_execution_{id(self):x}", default=None
+        )
+
+    # Startup and shutdown
+
+    async def startup(self) -> None:
+        """Connect to Redis, retrying with exponential backoff.
+
+        Raises:
+            ConnectionError: Redis did not answer a ``PING`` in any attempt;
+                the last error is chained.
+        """
+        locks = self._connect()
+        client = self._redis()
+        for attempt in range(self.startup_retries):
+            try:
+                await client.ping()
+                await locks.load_scripts()
+            except REDIS_ERRORS as exc:  # noqa: PERF203 (one try per attempt is the point)
+                last_error = exc
+                if attempt + 1 < self.startup_retries:
+                    delay = self.startup_retry_delay * 2**attempt
+                    logger.warning(
+                        "Redis is not reachable for deduplication (attempt %d of %d: %s); "
+                        "retrying in %.1fs",
+                        attempt + 1,
+                        self.startup_retries,
+                        exc,
+                        delay,
+                    )
+                    await asyncio.sleep(delay)
+            else:
+                return
+        msg = (
+            f"could not connect to Redis for deduplication after "
+            f"{self.startup_retries} attempt(s): {last_error}"
+        )
+        raise ConnectionError(msg) from last_error
+
+    async def shutdown(self) -> None:
+        """Send what is still queued (lock extensions), stop the heartbeat, disconnect."""
+        if self._locks is None:
+            return
+        if self._heartbeat is not None:
+            await self._heartbeat.stop()
+        try:
+            await self._locks.drain()
+        finally:
+            self._locks = None
+            self._heartbeat = None
+            if self._owns_client and self._client is not None:
+                client, self._client = self._client, None
+                await client.aclose()
+
+    # Send
+
+    async def pre_send(self, message: TaskiqMessage) -> TaskiqMessage:
+        """Take the task's lock before the message goes to the broker.
+
+        Raises:
+            DuplicateTaskError: Another send holds the lock.
+            ValueError: A deduplication label has an invalid value.
+            TypeError: The arguments cannot be fingerprinted.
+            redis.exceptions.RedisError: Redis failed and ``fail_open`` is off.
+        """
+        options = labels.read_send_options(
+            message.labels,
+            default_enabled=self.default_deduplication,
+            default_ttl=self.default_ttl,
+        )
+        if options is None:
+            labels.drop_lock_labels(message.labels)
+            return message
+        running = self._running_attempt(message.task_id)
+        key = running.lock.key if running is not None else self._lock_key(message, options)
+        lock = Lock(key, new_token(), message.task_id, options.ttl * 1000)
+        grace_ms = min(GRACE_TTL, options.ttl) * 1000
+        try:
+            holder = await self._connect().acquire(
+                lock, grace_ms, takeover_task_id=message.task_id if running is not None else ""
+            )
+        except REDIS_ERRORS as exc:
+            if not self.fail_open:
+                raise
+            logger.warning(
+                "Could not take deduplication lock %r for task %s (%s): %s: %s; "
+                "sending it without a lock (fail_open)",
+                key,
+                message.task_name,
+                message.task_id,
+                type(exc).__name__,
+                exc,
+            )
+            labels.drop_lock_labels(message.labels)
+            return message
+        except asyncio.CancelledError:
+            # The acquire may still land after the caller gave up: undo it.
+            self._connect().release_detached(lock)
+            raise
+        if holder is not None:
+            holder_id = holder_task_id(holder)
+            logger.warning(
+                "Task %s (%s) not sent: a duplicate of task %s, which holds lock %r",
+                message.task_name,
+                message.task_id,
+                holder_id,
+                key,
+            )
+            raise DuplicateTaskError(message.task_name, key, holder_id)
+        if running is not None:
+            logger.debug(
+                "Retry of task %s (%s) took over lock %r", message.task_name, message.task_id, key
+            )
+            running.superseded = True
+            self._stop_heartbeat(running)
+        labels.write_lock_labels(message.labels, key, lock.token, options.ttl)
+        return message
+
+    async def post_send(self, message: TaskiqMessage) -> None:
+        """Give the lock its full TTL, now that the broker accepted the message.
+
+        The extension is queued, not awaited: it travels with the next batch of
+        lock commands and never adds a round trip to ``kiq``. It is owner-checked,
+        so it cannot revive a lock that a fast worker already released.
+        """
+        lock = self._lock_of(message)
+        if lock is not None and lock.ttl_ms > GRACE_TTL * 1000:
+            self._connect().extend_detached(lock)
+
+    # Run
+
+    async def pre_execute(self, message: TaskiqMessage) -> TaskiqMessage:
+        """Re-assert the lock at the start of the run and start its heartbeat."""
+        lock = self._lock_of(message)
+        if lock is None:
+            return message
+        execution = _Execution(lock, message.task_name, message.labels.get(_REQUEUE_LABEL))
+        self._begin(execution)
+        try:
+            (reply,) = await self._connect().reassert([lock])
+        except REDIS_ERRORS as exc:
+            logger.warning(
+                "Could not re-assert lock %r of task %s (%s): %s: %s",
+                lock.key,
+                message.task_name,
+                message.task_id,
+                type(exc).__name__,
+                exc,
+            )
+        else:
+            if reply == Reasserted.TAKEN_BACK:
+                logger.warning(
+                    "Lock %r of task %s (%s) had expired while the task was queued; taken back",
+                    lock.key,
+                    message.task_name,
+                    message.task_id,
+                )
+            elif isinstance(reply, str):
+                logger.warning(
+                    "Task %s (%s) runs although task %s now holds its lock %r",
+                    message.task_name,
+                    message.task_id,
+                    holder_task_id(reply),
+                    lock.key,
+                )
+                execution.owned = False
+        if self.heartbeat and execution.owned and not execution.ended:
+            execution.beat = Beat(lock, message.task_name, self._interval(lock))
+            self._beats().add(execution.beat)
+        return message
+
+    async def on_error(
+        self,
+        message: TaskiqMessage,
+        result: TaskiqResult[Any],  # noqa: ARG002 (the hook's signature)
+        exception: BaseException,  # noqa: ARG002
+    ) -> None:
+        """Stop the heartbeat: the task itself is over. The lock goes in ``post_execute``."""
+        execution = self._execution.get()
+        if execution is not None and execution.lock.task_id == message.task_id:
+            self._stop_heartbeat(execution)
+
+    async def post_execute(self, message: TaskiqMessage, result: TaskiqResult[Any]) -> None:  # noqa: ARG002
+        """Release the lock once the run has ended, successful or not.
+
+        A run whose lock a retry took over leaves it to the retry. A run that
+        requeued itself (``Context.requeue``) keeps it for the next delivery.
+        """
+        execution = self._execution.get()
+        if execution is None or execution.lock.task_id != message.task_id:
+            return
+        self._end(execution)
+        if execution.superseded or not execution.owned:
+            return
+        lock = execution.lock
+        if message.labels.get(_REQUEUE_LABEL) != execution.requeues:
+            self._connect().extend_detached(lock)
+            return
+        try:
+            await self._connect().release(lock)
+        except REDIS_ERRORS as exc:
+            logger.warning(
+                "Could not release lock %r of task %s (%s): %s: %s; it expires in %ds",
+                lock.key,
+                message.task_name,
+                message.task_id,
+                type(exc).__name__,
+                exc,
+                lock.ttl_ms // 1000,
+            )
+
+    # The mechanics
+
+    def _lock_key(self, message: TaskiqMessage, options: labels.SendOptions) -> str:
+        if options.key is not None:
+            return f"{self.key_prefix}:{options.key}"
+        if options.key_fields is None:
+            digest = call_fingerprint(message.task_name, message.args, message.kwargs)
+            return f"{self.key_prefix}:{digest}"
+        if message.args:
+            logger.warning(
+                "Task %s is called with positional arguments, which %s leaves out of "
+                "its lock key: pass %s as keyword arguments",
+                message.task_name,
+                labels.KEY_FIELDS_LABEL,
+                ", ".join(options.key_fields),
+            )
+        present = {
+            name: message.kwargs[name] for name in options.key_fields if name in message.kwargs
+        }
+        for name in options.key_fields:
+            if name not in present:
+                logger.warning(
+                    "Key field %r of task %s is missing from its keyword arguments; "
+                    "left out of the lock key, so different calls may collide",
+                    name,
+                    message.task_name,
+                )
+        return f"{self.key_prefix}:{fields_fingerprint(message.task_name, present)}"
+
+    def _running_attempt(self, task_id: str) -> _Execution | None:
+        """The run this send re-sends (a retry from inside it), if any."""
+        execution = self._execution.get()
+        if execution is not None and execution.lock.task_id == task_id and not execution.ended:
+            return execution
+        return None
+
+    def _lock_of(self, message: TaskiqMessage) -> Lock | None:
+        recorded = labels.read_lock_labels(message.labels)
+        if recorded is None:
+            return None
+        return Lock(recorded.key, recorded.token, message.task_id, recorded.ttl * 1000)
+
+    def _interval(self, lock: Lock) -> float:
+        ttl = lock.ttl_ms / 1000
+        interval = self.heartbeat_interval or max(ttl / 3, 1.0)
+        # A refresh less often than half the TTL would let the lock lapse.
+        return min(interval, ttl / 2)
+
+    def _begin(self, execution: _Execution) -> None:
+        execution.context = self._execution.set(execution)
+        task = asyncio.current_task()
+        if task is not None:
+            # If a later hook of another middleware raises, post_execute never
+            # runs; the end of the asyncio task still ends the heartbeat.
+            def on_task_done(_: object) -> None:
+                self._stop_heartbeat(execution)
+
+            execution.on_task_done = on_task_done
+            task.add_done_callback(on_task_done)
+
+    def _end(self, execution: _Execution) -> None:
+        execution.ended = True
+        self._stop_heartbeat(execution)
+        task = asyncio.current_task()
+        if task is not None and execution.on_task_done is not None:
+            task.remove_done_callback(execution.on_task_done)
+        try:
+            if execution.context is not None:
+                self._execution.reset(execution.context)
+        except ValueError:  # ended from another context than it began in
+            self._execution.set(None)
+
+    def _stop_heartbeat(self, execution: _Execution) -> None:
+        if execution.beat is not None and self._heartbeat is not None:
+            self._heartbeat.discard(execution.beat)
+        execution.beat = None
+
+    def _connect(self) -> LockStore:
+        """The lock store, created on first use in the running event loop."""
+        loop = asyncio.get_running_loop()
+        if self._locks is None or self._loop is not loop:
+            if self._loop is not None and self._loop is not loop and self._owns_client:
+                # Connections belong to the loop they were made in.
+                self._client = None
+            self._loop = loop
+            self._locks = LockStore(self._redis())
+            self._heartbeat = Heartbeat(self._locks)
+        return self._locks
+
+    def _beats(self) -> Heartbeat:
+        self._connect()
+        assert self._heartbeat is not None  # noqa: S101 (set together with the store)
+        return self._heartbeat
+
+    def _redis(self) -> RedisClient:
+        if self._client is None:
+            assert self._url is not None  # noqa: S101 (checked in __init__)
+            pool = BlockingConnectionPool.from_url(
+                self._url,
+                **_DEFAULT_TIMEOUTS,
+                # One quick retry reconnects after a dropped connection; a hung
+                # server is not retried, so a call never outlasts socket_timeout.
+                retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+            )
+            self._client = Redis.from_pool(pool)
+        return self._client
+
+
+# Checking the options
+
+
+def _check_connection(redis_url: str | RedisDsn | None, client: object) -> str | None:
+    if (redis_url is None) == (client is None):
+        msg = "pass exactly one of redis_url and client"
+        raise ValueError(msg)
+    if client is not None:
+        if not isinstance(client, (Redis, RedisCluster)):
+            msg = (
+                f"client must be a redis.asyncio Redis or RedisCluster client, "
+                f"not {type(client).__name__}"
+            )
+            raise ValueError(msg)
+        return None
+    url = str(redis_url) if isinstance(redis_url, RedisDsn) else redis_url
+    if not isinstance(url, str) or not url:
+        msg = f"redis_url must be a non-empty string or RedisDsn, not {redis_url!r}"
+        raise ValueError(msg)
+    try:
+        parse_url(url)
+    except ValueError as exc:
+        msg = f"redis_url {url!r} is not a Redis URL: {exc}"
+        raise ValueError(msg) from None
+    return url
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        msg = f"{name} must be True or False, not {value!r}"
+        raise ValueError(msg)
+    return value
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        msg = f"{name} must be a whole number of at least {minimum}, not {value!r}"
+        raise ValueError(msg)
+    return value
+
+
+def _check_seconds(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        msg = f"{name} must be a number of seconds of at least 0, not {value!r}"
+        raise ValueError(msg)
+    return float(value)
+
+
+def _check_prefix(value: object) -> str:
+    if not isinstance(value, str) or not value:
+        msg = f"key_prefix must be a non-empty string, not {value!r}"
+        raise ValueError(msg)
+    return value
+
+
+def _check_interval(value: object, default_ttl: int) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        msg = f"heartbeat_interval must be a positive number of seconds or None, not {value!r}"
+        raise ValueError(msg)
+    if value >= default_ttl:
+        msg = (
+            f"heartbeat_interval ({value}s) must be shorter than default_ttl "
+            f"({default_ttl}s), or the lock expires between refreshes"
+        )
+        raise ValueError(msg)
+    return float(value)
