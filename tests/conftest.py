@@ -1,0 +1,111 @@
+"""Shared fixtures: a real Redis for the whole session, and isolation per test.
+
+``REDIS_URL`` points the suite at an existing server; without it the session
+starts its own throwaway server (see ``tests/_server.py``). Every test gets a
+key prefix of its own and its keys are deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import pytest
+import redis.asyncio
+from taskiq import InMemoryBroker, TaskiqMiddleware
+
+from taskiq_deduplication import RedisDeduplicationMiddleware
+from tests._server import Server
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """The URL of the Redis the tests use: ``REDIS_URL``, or a throwaway server."""
+    url = os.environ.get("REDIS_URL")
+    if url:
+        yield url
+        return
+    server = Server().start()
+    try:
+        yield server.url
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A key prefix no other test uses."""
+    return f"test:{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+async def redis_client(redis_url: str, prefix: str) -> AsyncIterator[redis.asyncio.Redis]:
+    """A plain client to look at the keys; deletes this test's keys at the end."""
+    client = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        yield client
+    finally:
+        keys = [key async for key in client.scan_iter(match=f"{prefix}:*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
+
+
+MiddlewareFactory = Callable[..., RedisDeduplicationMiddleware]
+
+
+@pytest.fixture
+def make_middleware(redis_url: str, prefix: str) -> MiddlewareFactory:
+    """Build a middleware on the test Redis with this test's prefix."""
+
+    def make(**options: Any) -> RedisDeduplicationMiddleware:
+        options.setdefault("key_prefix", prefix)
+        if "client" not in options:
+            options.setdefault("redis_url", redis_url)
+        return RedisDeduplicationMiddleware(**options)
+
+    return make
+
+
+BrokerFactory = Callable[..., InMemoryBroker]
+
+
+@pytest.fixture
+async def make_broker(
+    make_middleware: MiddlewareFactory,
+) -> AsyncIterator[Callable[..., Any]]:
+    """Build started in-memory brokers; each is shut down at the end of the test.
+
+    ``make_broker(**options)`` puts one deduplication middleware built with
+    ``options`` on the broker; ``middlewares=[...]`` gives the whole list instead
+    (use ``make_middleware`` for the deduplication one).
+    """
+    brokers: list[InMemoryBroker] = []
+
+    async def make(
+        *,
+        middlewares: list[TaskiqMiddleware] | None = None,
+        await_inplace: bool = False,
+        **options: Any,
+    ) -> InMemoryBroker:
+        broker = InMemoryBroker(await_inplace=await_inplace)
+        broker.with_middlewares(*(middlewares or [make_middleware(**options)]))
+        brokers.append(broker)
+        await broker.startup()
+        return broker
+
+    yield make
+    for broker in brokers:
+        await broker.wait_all()
+        await broker.shutdown()
+
+
+def dedup_middleware(broker: InMemoryBroker) -> RedisDeduplicationMiddleware:
+    """The deduplication middleware registered on ``broker``."""
+    for middleware in broker.middlewares:
+        if isinstance(middleware, RedisDeduplicationMiddleware):
+            return middleware
+    msg = "no RedisDeduplicationMiddleware on this broker"
+    raise LookupError(msg)
