@@ -82,7 +82,7 @@ class Server:
             *self.extra_args,
         ]
         log = (self.workdir / "server.log").open("ab")
-        self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)  # noqa: S603
+        self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + _START_TIMEOUT
         while True:
