@@ -80,17 +80,19 @@ async def make_broker(
 
     ``make_broker(**options)`` puts one deduplication middleware built with
     ``options`` on the broker; ``middlewares=[...]`` gives the whole list instead
-    (use ``make_middleware`` for the deduplication one).
+    (use ``make_middleware`` for the deduplication one); ``broker_class`` picks
+    one of the brokers in ``tests/_brokers.py``.
     """
     brokers: list[InMemoryBroker] = []
 
     async def make(
         *,
         middlewares: list[TaskiqMiddleware] | None = None,
+        broker_class: type[InMemoryBroker] = InMemoryBroker,
         await_inplace: bool = False,
         **options: Any,
     ) -> InMemoryBroker:
-        broker = InMemoryBroker(await_inplace=await_inplace)
+        broker = broker_class(await_inplace=await_inplace)
         broker.with_middlewares(*(middlewares or [make_middleware(**options)]))
         brokers.append(broker)
         await broker.startup()

@@ -68,7 +68,8 @@ class _Execution:
     ended: bool = False
     superseded: bool = False
     """A retry of this run took its lock over: this run must not release it."""
-    context: contextvars.Token[_Execution | None] | None = field(default=None, repr=False)
+    context: Any = field(default=None, repr=False)
+    """The token that restores the execution context variable."""
     on_task_done: Any = field(default=None, repr=False)
 
 
@@ -407,26 +408,18 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
 
     def _begin(self, execution: _Execution) -> None:
         execution.context = self._execution.set(execution)
-        task = asyncio.current_task()
-        if task is not None:
-            # If a later hook of another middleware raises, post_execute never
-            # runs; the end of the asyncio task still ends the heartbeat.
-            def on_task_done(_: object) -> None:
-                self._stop_heartbeat(execution)
-
-            execution.on_task_done = on_task_done
-            task.add_done_callback(on_task_done)
+        # If a later hook of another middleware raises, post_execute never runs;
+        # the end of the asyncio task still ends the heartbeat.
+        execution.on_task_done = lambda _: self._stop_heartbeat(execution)
+        _current_task().add_done_callback(execution.on_task_done)
 
     def _end(self, execution: _Execution) -> None:
         execution.ended = True
         self._stop_heartbeat(execution)
-        task = asyncio.current_task()
-        if task is not None and execution.on_task_done is not None:
-            task.remove_done_callback(execution.on_task_done)
+        _current_task().remove_done_callback(execution.on_task_done)
         try:
-            if execution.context is not None:
-                self._execution.reset(execution.context)
-        except ValueError:  # ended from another context than it began in
+            self._execution.reset(execution.context)
+        except ValueError:  # ended in another context than it began in
             self._execution.set(None)
 
     def _stop_heartbeat(self, execution: _Execution) -> None:
@@ -463,6 +456,14 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             )
             self._client = Redis.from_pool(pool)
         return self._client
+
+
+def _current_task() -> asyncio.Task[Any]:
+    task = asyncio.current_task()
+    if task is None:  # pragma: no cover (taskiq runs every hook inside a task)
+        msg = "taskiq hooks run inside an asyncio task"
+        raise RuntimeError(msg)
+    return task
 
 
 # Checking the options

@@ -1,0 +1,488 @@
+"""Running: the lock while a task waits, runs, fails, retries and ends."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+import redis.asyncio
+from taskiq import (
+    Context,
+    SimpleRetryMiddleware,
+    SmartRetryMiddleware,
+    TaskiqDepends,
+    TaskiqMessage,
+    TaskiqMiddleware,
+    TaskiqResult,
+)
+
+from taskiq_deduplication import DuplicateTaskError
+from tests._brokers import HoldingBroker
+from tests.conftest import dedup_middleware
+
+
+async def lock_keys(client: redis.asyncio.Redis, prefix: str) -> list[str]:
+    return sorted([key async for key in client.scan_iter(match=f"{prefix}:*")])
+
+
+async def wait_until(condition: Any, timeout: float = 5.0) -> None:
+    """Poll an async condition until it holds; fail after ``timeout`` seconds."""
+    async with asyncio.timeout(timeout) if hasattr(asyncio, "timeout") else _deadline(timeout):
+        while not await condition():
+            await asyncio.sleep(0.02)
+
+
+class _deadline:  # noqa: N801 (a stand-in for asyncio.timeout on Python 3.10)
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    async def __aenter__(self) -> None:
+        self.task = asyncio.current_task()
+        self.handle = asyncio.get_running_loop().call_later(self.seconds, self.task.cancel)  # type: ignore[union-attr]
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.handle.cancel()
+
+
+async def test_lock_is_released_when_the_task_succeeds(
+    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker()
+
+    @broker.task
+    async def job(n: int) -> int:
+        return n
+
+    handle = await job.kiq(n=1)
+    assert (await handle.wait_result(timeout=5)).return_value == 1
+    assert await lock_keys(redis_client, prefix) == []
+    await job.kiq(n=1)  # accepted again
+
+
+async def test_lock_is_released_once_when_the_task_fails(
+    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker()
+
+    @broker.task
+    async def ok() -> None: ...
+
+    @broker.task
+    async def boom() -> None:
+        msg = "task failed"
+        raise RuntimeError(msg)
+
+    async def calls_for(task: Any) -> dict[str, int]:
+        await redis_client.config_resetstat()
+        await (await task.kiq()).wait_result(timeout=5)
+        await broker.wait_all()
+        stats = await redis_client.info("commandstats")
+        return {
+            name: stats.get(f"cmdstat_{name}", {}).get("calls", 0)
+            for name in ("evalsha", "del", "pexpire", "set")
+        }
+
+    success, failure = await calls_for(ok), await calls_for(boom)
+    assert failure == success  # a failed task costs what a successful one does
+    assert failure["del"] == 1
+    assert await lock_keys(redis_client, prefix) == []
+
+
+async def test_a_task_waiting_in_the_queue_keeps_its_lock(
+    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task
+    async def job() -> None: ...
+
+    await job.kiq()
+    with pytest.raises(DuplicateTaskError):
+        await job.kiq()
+    await broker.deliver()
+    assert await lock_keys(redis_client, prefix) == []
+
+
+async def test_a_lock_that_expired_in_the_queue_is_taken_back_at_execution(
+    make_broker: Any,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+    seen: list[str | None] = []
+
+    @broker.task
+    async def job() -> None:
+        (key,) = await lock_keys(redis_client, prefix)
+        seen.append(await redis_client.get(key))
+
+    sent = await job.kiq()
+    (key,) = await lock_keys(redis_client, prefix)
+    value = await redis_client.get(key)
+    await redis_client.delete(key)  # as if its TTL ran out while it was queued
+    caplog.set_level(logging.WARNING, logger="taskiq_deduplication")
+    await broker.deliver()
+    assert seen == [value]  # held again, by the same owner, while it ran
+    assert sent.task_id in caplog.text
+    assert "taken back" in caplog.text
+    assert await lock_keys(redis_client, prefix) == []
+
+
+async def test_a_lock_taken_by_another_send_meanwhile_is_left_to_it(
+    make_broker: Any,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker, heartbeat_interval=1)
+
+    @broker.task
+    async def job() -> None: ...
+
+    sent = await job.kiq()
+    (key,) = await lock_keys(redis_client, prefix)
+    await redis_client.set(key, "othertoken other-task-id", px=30_000)
+    caplog.set_level(logging.WARNING, logger="taskiq_deduplication")
+    await broker.deliver()
+    assert "other-task-id" in caplog.text
+    assert sent.task_id in caplog.text
+    assert await redis_client.get(key) == "othertoken other-task-id"  # not released by us
+
+
+async def test_heartbeat_keeps_the_lock_of_a_task_that_outlives_its_ttl(
+    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(default_ttl=2)
+    running = asyncio.Event()
+    finish = asyncio.Event()
+
+    @broker.task
+    async def slow() -> None:
+        running.set()
+        await finish.wait()
+
+    handle = await slow.kiq()
+    await running.wait()
+    await asyncio.sleep(3.0)  # one and a half TTLs
+    with pytest.raises(DuplicateTaskError):
+        await slow.kiq()
+    (key,) = await lock_keys(redis_client, prefix)
+    assert 0 < await redis_client.pttl(key) <= 2000
+    finish.set()
+    await handle.wait_result(timeout=5)
+    assert await lock_keys(redis_client, prefix) == []
+
+
+async def test_without_heartbeat_the_lock_expires_mid_run(
+    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(default_ttl=1, heartbeat=False)
+    running = asyncio.Event()
+    finish = asyncio.Event()
+
+    @broker.task
+    async def slow() -> None:
+        running.set()
+        await finish.wait()
+
+    await slow.kiq()
+    await running.wait()
+
+    async def lock_gone() -> bool:
+        return await lock_keys(redis_client, prefix) == []
+
+    await wait_until(lock_gone)
+    second = await slow.kiq()  # the documented hazard of heartbeat=False
+    finish.set()
+    await second.wait_result(timeout=5)
+
+
+async def test_heartbeat_interval_defaults_to_a_third_of_the_ttl(make_broker: Any) -> None:
+    broker = await make_broker(default_ttl=30)
+    middleware = dedup_middleware(broker)
+    beats: list[float] = []
+    release = asyncio.Event()
+
+    @broker.task
+    async def job() -> None:
+        beats.extend(beat.interval for beat in middleware._heartbeat._beats)  # type: ignore[union-attr]
+        await release.wait()
+
+    @broker.task(deduplication_ttl=2)
+    async def short() -> None:
+        beats.extend(beat.interval for beat in middleware._heartbeat._beats)  # type: ignore[union-attr]
+
+    handle = await job.kiq()
+    await asyncio.sleep(0.2)
+    release.set()
+    await handle.wait_result(timeout=5)
+    await (await short.kiq()).wait_result(timeout=5)
+    # 30 s / 3; for 2 s the 1 s floor applies, which is also half the TTL.
+    assert beats == [10.0, 1.0]
+
+
+async def test_heartbeat_interval_option_is_used_but_never_exceeds_half_the_ttl(
+    make_broker: Any,
+) -> None:
+    broker = await make_broker(default_ttl=60, heartbeat_interval=20)
+    middleware = dedup_middleware(broker)
+    beats: list[float] = []
+
+    @broker.task
+    async def job() -> None:
+        beats.extend(beat.interval for beat in middleware._heartbeat._beats)  # type: ignore[union-attr]
+
+    await (await job.kiq()).wait_result(timeout=5)
+    await (await job.kicker().with_labels(deduplication_ttl=10).kiq()).wait_result(timeout=5)
+    assert beats == [20.0, 5.0]
+
+
+async def test_heartbeat_ends_with_the_task_and_revives_nothing(
+    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(default_ttl=2)
+    middleware = dedup_middleware(broker)
+
+    @broker.task
+    async def quick() -> None:
+        await asyncio.sleep(1.2)  # past the first refresh at 1 s
+
+    await (await quick.kiq()).wait_result(timeout=5)
+    assert len(middleware._heartbeat) == 0  # type: ignore[arg-type]
+    await asyncio.sleep(1.5)  # past the next refresh it would have sent
+    assert await lock_keys(redis_client, prefix) == []
+
+
+class RaisesAfterTheTask(TaskiqMiddleware):
+    """Another middleware whose post_execute fails, so later hooks never run."""
+
+    async def post_execute(self, message: TaskiqMessage, result: TaskiqResult[Any]) -> None:
+        msg = "post_execute failed"
+        raise RuntimeError(msg)
+
+
+async def test_heartbeat_stops_even_when_another_middleware_skips_our_post_execute(
+    make_middleware: Any, make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    dedup = make_middleware(default_ttl=2)
+    broker = await make_broker(middlewares=[dedup, RaisesAfterTheTask()])
+
+    @broker.task
+    async def job() -> None: ...
+
+    await job.kiq()
+    with pytest.raises(RuntimeError, match="post_execute failed"):
+        await broker.wait_all()
+    await asyncio.sleep(0)  # the done callbacks of the ended asyncio task run
+    assert len(dedup._heartbeat) == 0
+    # The lock was never released, and nothing refreshes it: it expires on its TTL.
+    (key,) = await lock_keys(redis_client, prefix)
+    assert 0 < await redis_client.pttl(key) <= 2000
+
+    async def lock_gone() -> bool:
+        return await lock_keys(redis_client, prefix) == []
+
+    await wait_until(lock_gone, timeout=4)
+
+
+async def test_one_heartbeat_batch_refreshes_many_running_tasks(
+    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(default_ttl=3)
+    started = 0
+    all_running = asyncio.Event()
+    finish = asyncio.Event()
+
+    @broker.task
+    async def job(n: int) -> None:
+        nonlocal started
+        started += 1
+        if started == 200:
+            all_running.set()
+        await finish.wait()
+
+    await asyncio.gather(*(job.kiq(n=i) for i in range(200)))
+    await all_running.wait()
+    await redis_client.config_resetstat()
+    await asyncio.sleep(2.2)  # two refresh intervals of 1 s
+    stats = await redis_client.info("commandstats")
+    finish.set()
+    await broker.wait_all()
+    refreshes = stats["cmdstat_pexpire"]["calls"]
+    scripts = stats["cmdstat_evalsha"]["calls"]
+    assert refreshes >= 200  # every lock refreshed at least once
+    assert scripts <= 6  # in a handful of multi-key calls, not one per task
+    assert await lock_keys(redis_client, prefix) == []
+
+
+@pytest.mark.parametrize("retry_first", [True, False], ids=["retry-first", "dedup-first"])
+@pytest.mark.parametrize("retry_class", [SimpleRetryMiddleware, SmartRetryMiddleware])
+async def test_a_retry_is_not_a_duplicate_of_itself(
+    make_middleware: Any,
+    make_broker: Any,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+    retry_class: type[TaskiqMiddleware],
+    retry_first: bool,
+) -> None:
+    options: dict[str, Any] = {"default_retry_count": 5}
+    if retry_class is SmartRetryMiddleware:
+        options |= {"default_delay": 0, "use_jitter": False, "use_delay_exponent": False}
+    retry = retry_class(**options)
+    dedup = make_middleware()
+    broker = await make_broker(middlewares=[retry, dedup] if retry_first else [dedup, retry])
+    attempts: list[str] = []
+    rejected: list[str | None] = []
+    holders: list[str] = []
+
+    @broker.task(retry_on_error=True)
+    async def flaky(user_id: int, context: Context = TaskiqDepends()) -> str:
+        attempts.append(context.message.task_id)
+        (key,) = await lock_keys(redis_client, prefix)
+        holders.append((await redis_client.get(key)).split(" ")[1])
+        try:
+            await flaky.kiq(user_id=user_id)  # a duplicate sent in between
+        except DuplicateTaskError as err:
+            rejected.append(err.holder_task_id)
+        if len(attempts) < 3:
+            msg = "not yet"
+            raise RuntimeError(msg)
+        return "done"
+
+    first = await flaky.kiq(user_id=7)
+    for _ in range(100):
+        await broker.wait_all()
+        if not broker._running_tasks:
+            break
+    assert attempts == [first.task_id] * 3
+    assert rejected == [first.task_id] * 3
+    assert holders == [first.task_id] * 3
+    assert (await first.wait_result(timeout=5)).return_value == "done"
+    assert await lock_keys(redis_client, prefix) == []
+    assert len(dedup._heartbeat) == 0
+
+
+async def test_exhausted_retries_release_the_lock(
+    make_middleware: Any, make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    dedup = make_middleware()
+    broker = await make_broker(middlewares=[dedup, SimpleRetryMiddleware(default_retry_count=3)])
+    attempts = 0
+
+    @broker.task(retry_on_error=True)
+    async def hopeless() -> None:
+        nonlocal attempts
+        attempts += 1
+        msg = "never works"
+        raise RuntimeError(msg)
+
+    await hopeless.kiq()
+    for _ in range(100):
+        await broker.wait_all()
+        if not broker._running_tasks:
+            break
+    assert attempts == 3
+    assert await lock_keys(redis_client, prefix) == []
+    await hopeless.kiq()
+
+
+async def test_reusing_a_task_id_from_outside_its_run_is_an_ordinary_duplicate(
+    make_middleware: Any, make_broker: Any
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task
+    async def job() -> None: ...
+
+    await job.kicker().with_task_id("fixed").kiq()
+    with pytest.raises(DuplicateTaskError) as caught:
+        await job.kicker().with_task_id("fixed").kiq()
+    assert caught.value.holder_task_id == "fixed"
+
+
+async def test_reusing_a_running_task_id_from_another_asyncio_task_is_a_duplicate(
+    make_broker: Any,
+) -> None:
+    broker = await make_broker()
+    running = asyncio.Event()
+    finish = asyncio.Event()
+
+    @broker.task
+    async def job() -> None:
+        running.set()
+        await finish.wait()
+
+    await job.kicker().with_task_id("fixed").kiq()
+    await running.wait()
+    with pytest.raises(DuplicateTaskError):
+        await job.kicker().with_task_id("fixed").kiq()
+    finish.set()
+
+
+async def test_requeue_keeps_the_lock_until_the_last_delivery(
+    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+    runs = 0
+
+    @broker.task
+    async def job(context: Context = TaskiqDepends()) -> None:
+        nonlocal runs
+        runs += 1
+        if runs == 1:
+            await context.requeue()
+
+    await job.kiq()
+    (key,) = await lock_keys(redis_client, prefix)
+    message = broker.queued.pop(0)
+    await broker.receiver.callback(message=message.message)  # first delivery requeues
+    assert len(broker.queued) == 1
+    await dedup_middleware(broker).shutdown()  # sends the queued extension
+    assert 200_000 < await redis_client.pttl(key) <= 300_000  # still held, at full TTL
+    with pytest.raises(DuplicateTaskError):
+        await job.kiq()
+    await broker.deliver()
+    assert runs == 2
+    assert await lock_keys(redis_client, prefix) == []
+
+
+async def test_worker_side_ignores_malformed_lock_labels(make_broker: Any) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task
+    async def job() -> str:
+        return "ran"
+
+    handle = await job.kicker().with_labels(deduplication=False).kiq()
+    broker.queued[0].message = broker.queued[0].message.replace(
+        b'"labels":{', b'"labels":{"_deduplication_lock_key":"k","_deduplication_lock_token":"t",'
+        b'"_deduplication_lock_ttl":"abc",'
+    )
+    await broker.deliver()
+    assert (await handle.wait_result(timeout=5)).return_value == "ran"
+
+
+async def test_inplace_broker_runs_hooks_inside_kiq(
+    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(await_inplace=True)
+    inner: list[str] = []
+
+    @broker.task
+    async def child(n: int) -> None:
+        inner.append(f"child {n}")
+
+    @broker.task
+    async def parent() -> None:
+        await child.kiq(n=1)
+        await child.kiq(n=1)  # the first one ran in place and released its lock
+        inner.append("parent")
+
+    await parent.kiq()
+    assert inner == ["child 1", "child 1", "parent"]
+    await dedup_middleware(broker).shutdown()
+    assert await lock_keys(redis_client, prefix) == []
+    await parent.kiq()  # the parent's lock went too, and the late extension revived nothing

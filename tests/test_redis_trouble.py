@@ -1,0 +1,152 @@
+"""What the middleware does when its own Redis misbehaves (on a server of the test's own).
+
+The fault-injection suite in ``tests/faults`` goes further; these tests pin down
+the promise of the spec: errors after the message is queued are logged and
+swallowed, and the lock expires on its TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis.asyncio
+
+from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
+from tests._brokers import HoldingBroker
+from tests._server import Server
+
+FAST = "?socket_timeout=0.5&socket_connect_timeout=0.5"
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    own = Server().start()
+    try:
+        yield own
+    finally:
+        own.cleanup()
+
+
+async def started(server: Server, **options: Any) -> HoldingBroker:
+    broker = HoldingBroker().with_middlewares(
+        RedisDeduplicationMiddleware(redis_url=server.url + FAST, **options)
+    )
+    await broker.startup()
+    return broker
+
+
+async def test_errors_after_queueing_are_logged_and_swallowed(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    broker = await started(server, default_ttl=30)
+
+    @broker.task
+    async def job() -> str:
+        return "result"
+
+    handle = await job.kiq()
+    server.stop()  # before the extension, the re-assert and the release
+    caplog.set_level(logging.WARNING, logger="taskiq_deduplication")
+    await broker.deliver()
+    assert (await handle.wait_result(timeout=5)).return_value == "result"
+    text = caplog.text
+    assert "Could not extend lock" in text
+    assert "Could not re-assert lock" in text
+    assert "Could not release lock" in text
+    await broker.shutdown()
+
+
+async def test_heartbeat_failures_are_retried_and_never_raise(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    broker = await started(server, default_ttl=2)
+    caplog.set_level(logging.WARNING, logger="taskiq_deduplication")
+
+    @broker.task
+    async def slow() -> str:
+        server.stop()
+        await asyncio.sleep(2.0)  # two heartbeat intervals without Redis
+        server.start()
+        await asyncio.sleep(1.5)  # the heartbeat recovers and takes the lock back
+        return "done"
+
+    handle = await slow.kiq()
+    await broker.deliver()
+    assert (await handle.wait_result(timeout=5)).return_value == "done"
+    assert "Could not refresh 1 deduplication lock" in caplog.text
+    assert "had vanished; taken back" in caplog.text
+    await broker.shutdown()
+
+
+async def test_heartbeat_lets_go_of_a_lock_another_send_took(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    broker = await started(server, default_ttl=2)
+    client = redis.asyncio.Redis.from_url(server.url, decode_responses=True)
+    caplog.set_level(logging.WARNING, logger="taskiq_deduplication")
+
+    @broker.task
+    async def slow() -> None:
+        (key,) = await client.keys("*")
+        await client.set(key, "othertoken other-task", px=10_000)
+        await asyncio.sleep(1.5)  # past one refresh
+
+    await slow.kiq()
+    await broker.deliver()
+    assert "is now held by task other-task; no longer refreshing it" in caplog.text
+    (key,) = await client.keys("*")
+    assert await client.get(key) == "othertoken other-task"
+    await client.aclose()
+    await broker.shutdown()
+
+
+async def test_a_restarted_server_loses_its_scripts_and_the_middleware_reloads_them(
+    server: Server,
+) -> None:
+    broker = await started(server)
+
+    @broker.task
+    async def job(n: int) -> None: ...
+
+    await job.kiq(n=0)
+    server.restart()  # empty: no keys, no scripts
+    await job.kiq(n=0)  # one call: reloaded, then sent again
+    with pytest.raises(DuplicateTaskError):
+        await job.kiq(n=0)
+    client = redis.asyncio.Redis.from_url(server.url)
+    await client.script_flush()
+    await client.aclose()
+    results = await asyncio.gather(*(job.kiq(n=i) for i in range(1, 50)))  # a pipelined batch
+    assert len(results) == 49
+    with pytest.raises(DuplicateTaskError):
+        await job.kiq(n=10)
+    await broker.shutdown()
+
+
+async def test_an_event_loop_of_its_own_for_each_run() -> None:
+    # A module-level broker used by several asyncio.run() calls, as in tests of
+    # an application, must not reuse connections of a closed loop.
+    server = Server().start()
+    try:
+        broker = HoldingBroker().with_middlewares(
+            RedisDeduplicationMiddleware(redis_url=server.url)
+        )
+
+        @broker.task
+        async def job(n: int) -> None: ...
+
+        async def send(n: int) -> None:
+            await job.kiq(n=n)
+            await broker.deliver()
+
+        await asyncio.get_running_loop().run_in_executor(None, asyncio.run, send(1))
+        await asyncio.get_running_loop().run_in_executor(None, asyncio.run, send(2))
+        client = redis.asyncio.Redis.from_url(server.url)
+        assert await client.keys("*") == []
+        await client.aclose()
+    finally:
+        server.cleanup()

@@ -1,0 +1,487 @@
+"""Sending: what a caller of ``kiq()`` sees, and the lock it leaves in Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+from typing import Any
+
+import pytest
+import redis.asyncio
+from taskiq import AsyncTaskiqTask, SendTaskError
+
+from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
+from tests._brokers import HoldingBroker, RefusingBroker
+from tests.conftest import dedup_middleware
+
+
+async def lock_keys(client: redis.asyncio.Redis, prefix: str) -> list[str]:
+    return sorted([key async for key in client.scan_iter(match=f"{prefix}:*")])
+
+
+async def test_second_identical_kiq_raises_naming_the_holder(
+    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task
+    async def send_email(user_id: int) -> None: ...
+
+    first = await send_email.kiq(user_id=42)
+    with pytest.raises(DuplicateTaskError) as caught:
+        await send_email.kiq(user_id=42)
+
+    err = caught.value
+    (key,) = await lock_keys(redis_client, prefix)
+    assert err.task_name == send_email.task_name
+    assert err.key == key
+    assert err.holder_task_id == first.task_id
+    assert first.task_id in str(err)
+    assert send_email.task_name in str(err)
+    assert len(broker.queued) == 1  # the duplicate never reached the broker
+
+
+async def test_lock_value_names_the_holder_and_an_owner_token(
+    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task
+    async def job() -> None: ...
+
+    first = await job.kiq()
+    (key,) = await lock_keys(redis_client, prefix)
+    token, task_id = (await redis_client.get(key)).split(" ")
+    assert task_id == first.task_id
+    assert len(token) == 16
+    assert key == f"{prefix}:" + key.rsplit(":", 1)[1]
+    assert len(key.rsplit(":", 1)[1]) == 64  # the full SHA-256 digest
+
+
+async def test_duplicate_is_logged_as_a_warning_without_arguments(
+    make_broker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task
+    async def charge(card_number: str) -> None: ...
+
+    first = await charge.kiq(card_number="4111-SECRET-1111")
+    caplog.set_level(logging.DEBUG, logger="taskiq_deduplication")
+    with pytest.raises(DuplicateTaskError):
+        await charge.kiq(card_number="4111-SECRET-1111")
+
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    text = warnings[0].getMessage()
+    assert charge.task_name in text
+    assert first.task_id in text
+    assert "SECRET" not in caplog.text
+
+
+async def test_different_arguments_are_different_locks(make_broker: Any) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task
+    async def job(user_id: int) -> None: ...
+
+    await job.kiq(user_id=1)
+    await job.kiq(user_id=2)
+    await job.kiq(2)  # positional: a different fingerprint from user_id=2, as documented
+    await job.kiq("2")  # a string is not the number 2
+    with pytest.raises(DuplicateTaskError):
+        await job.kiq(2)
+    assert len(broker.queued) == 4
+
+
+async def test_keyword_order_does_not_matter(make_broker: Any) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task
+    async def job(a: int, b: int) -> None: ...
+
+    await job.kiq(a=1, b=2)
+    with pytest.raises(DuplicateTaskError):
+        await job.kiq(b=2, a=1)
+
+
+async def test_same_arguments_to_different_tasks_do_not_collide(make_broker: Any) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task
+    async def first(user_id: int) -> None: ...
+
+    @broker.task
+    async def second(user_id: int) -> None: ...
+
+    await first.kiq(user_id=1)
+    await second.kiq(user_id=1)
+    assert len(broker.queued) == 2
+
+
+async def test_lock_gets_the_grace_ttl_then_its_full_ttl(
+    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    refusing = await make_broker(broker_class=RefusingBroker, default_ttl=120)
+
+    @refusing.task
+    async def job() -> None: ...
+
+    with pytest.raises(SendTaskError):
+        await job.kiq()
+    (key,) = await lock_keys(redis_client, prefix)
+    # The broker refused the message: the lock keeps only its grace TTL.
+    assert 0 < await redis_client.pttl(key) <= 10_000
+    await redis_client.delete(key)
+
+    holding = await make_broker(broker_class=HoldingBroker, default_ttl=120)
+    sent = holding.register_task(job.original_func, task_name=job.task_name)
+    await sent.kiq()
+    await dedup_middleware(holding).shutdown()  # sends the queued extension
+    (key,) = await lock_keys(redis_client, prefix)
+    assert 110_000 < await redis_client.pttl(key) <= 120_000
+
+
+async def test_ttl_shorter_than_the_grace_ttl_is_used_for_both(
+    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(broker_class=RefusingBroker, default_ttl=3)
+
+    @broker.task
+    async def job() -> None: ...
+
+    with pytest.raises(SendTaskError):
+        await job.kiq()
+    (key,) = await lock_keys(redis_client, prefix)
+    assert 0 < await redis_client.pttl(key) <= 3_000
+
+
+async def test_ttl_label_on_the_decorator_and_on_the_call(
+    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker, default_ttl=300)
+
+    @broker.task(deduplication_ttl=60)
+    async def job(n: int) -> None: ...
+
+    await job.kiq(n=1)
+    await job.kicker().with_labels(deduplication_ttl=30).kiq(n=2)
+    await dedup_middleware(broker).shutdown()
+    ttls = {}
+    for message in broker.queued:
+        key = message.labels["_deduplication_lock_key"]
+        ttls[message.labels["deduplication_ttl"]] = await redis_client.pttl(key)
+    assert 50_000 < ttls["60"] <= 60_000
+    assert 20_000 < ttls["30"] <= 30_000
+    assert {k async for k in redis_client.scan_iter(match=f"{prefix}:*")} == {
+        m.labels["_deduplication_lock_key"] for m in broker.queued
+    }
+
+
+async def test_opting_out_on_the_decorator_and_on_the_call(
+    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task(deduplication=False)
+    async def always_run(payload: str) -> None: ...
+
+    @broker.task
+    async def usually_deduplicated(payload: str) -> None: ...
+
+    await always_run.kiq(payload="x")
+    await always_run.kiq(payload="x")
+    opted_out = usually_deduplicated.kicker().with_labels(deduplication=False)
+    await opted_out.kiq(payload="x")
+    await opted_out.kiq(payload="x")
+    assert len(broker.queued) == 4
+    assert await lock_keys(redis_client, prefix) == []
+    assert all("_deduplication_lock_key" not in m.labels for m in broker.queued)
+
+
+async def test_opt_in_mode(make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str) -> None:
+    broker = await make_broker(broker_class=HoldingBroker, default_deduplication=False)
+
+    @broker.task
+    async def plain() -> None: ...
+
+    @broker.task(deduplication=True)
+    async def guarded() -> None: ...
+
+    await plain.kiq()
+    await plain.kiq()
+    await guarded.kiq()
+    with pytest.raises(DuplicateTaskError):
+        await guarded.kiq()
+    await plain.kicker().with_labels(deduplication=True).kiq()
+    with pytest.raises(DuplicateTaskError):
+        await plain.kicker().with_labels(deduplication=True).kiq()
+    assert len(await lock_keys(redis_client, prefix)) == 2
+
+
+async def test_explicit_key_shares_one_lock_whatever_the_arguments(
+    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task(deduplication_key="send-welcome-email")
+    async def send_welcome_email(user_id: int, locale: str) -> None: ...
+
+    await send_welcome_email.kiq(user_id=1, locale="en")
+    with pytest.raises(DuplicateTaskError) as caught:
+        await send_welcome_email.kiq(user_id=2, locale="fr")
+    assert caught.value.key == f"{prefix}:send-welcome-email"
+    assert await lock_keys(redis_client, prefix) == [f"{prefix}:send-welcome-email"]
+
+
+async def test_explicit_key_on_the_call_wins_over_key_fields(make_broker: Any) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task(deduplication_key_fields=["user_id"])
+    async def job(user_id: int) -> None: ...
+
+    keyed = job.kicker().with_labels(deduplication_key="one")
+    await keyed.kiq(user_id=1)
+    with pytest.raises(DuplicateTaskError):
+        await job.kicker().with_labels(deduplication_key="one").kiq(user_id=2)
+    await job.kiq(user_id=1)  # the key fields still apply without the explicit key
+
+
+async def test_key_fields_deduplicate_on_a_subset_of_kwargs(make_broker: Any) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task(deduplication_key_fields=["user_id"])
+    async def send_welcome_email(user_id: int, locale: str) -> None: ...
+
+    await send_welcome_email.kiq(user_id=1, locale="en")
+    with pytest.raises(DuplicateTaskError):
+        await send_welcome_email.kiq(user_id=1, locale="fr")
+    await send_welcome_email.kiq(user_id=2, locale="en")
+    labelled = send_welcome_email.kicker().with_labels(deduplication_key_fields=["locale"])
+    await labelled.kiq(user_id=3, locale="de")
+    with pytest.raises(DuplicateTaskError):
+        await labelled.kiq(user_id=4, locale="de")
+
+
+async def test_missing_key_field_is_dropped_with_a_warning(
+    make_broker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task(deduplication_key_fields=["user_id", "tenant"])
+    async def job(user_id: int, tenant: str = "main") -> None: ...
+
+    caplog.set_level(logging.WARNING, logger="taskiq_deduplication")
+    await job.kiq(user_id=1)
+    assert any("'tenant'" in r.getMessage() for r in caplog.records)
+    with pytest.raises(DuplicateTaskError):
+        await job.kiq(user_id=1)
+
+
+async def test_positional_arguments_with_key_fields_are_left_out_with_a_warning(
+    make_broker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task(deduplication_key_fields=["user_id"])
+    async def job(item: str, user_id: int = 0) -> None: ...
+
+    caplog.set_level(logging.WARNING, logger="taskiq_deduplication")
+    await job.kiq("book", user_id=1)
+    assert any("positional" in r.getMessage() for r in caplog.records)
+    assert "book" not in caplog.text
+    with pytest.raises(DuplicateTaskError):
+        await job.kiq("pen", user_id=1)
+
+
+async def test_labels_given_as_strings_are_read_as_their_values(make_broker: Any) -> None:
+    # A scheduled send loses taskiq's label types: every label is a string.
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task
+    async def job(user_id: int, locale: str) -> None: ...
+
+    strings = job.kicker().with_labels(
+        deduplication="False", deduplication_ttl="30", deduplication_key_fields="['user_id']"
+    )
+    await strings.kiq(user_id=1, locale="en")
+    await strings.kiq(user_id=1, locale="en")  # "False" means off, though it is truthy
+    fields = job.kicker().with_labels(deduplication="true", deduplication_key_fields='["user_id"]')
+    await fields.kiq(user_id=1, locale="en")
+    with pytest.raises(DuplicateTaskError):
+        await fields.kiq(user_id=1, locale="fr")
+
+
+@pytest.mark.parametrize(
+    ("label", "value"),
+    [
+        ("deduplication_ttl", "abc"),
+        ("deduplication_ttl", 0),
+        ("deduplication_ttl", -5),
+        ("deduplication_ttl", 1.5),
+        ("deduplication", "maybe"),
+        ("deduplication_key", ""),
+        ("deduplication_key_fields", "user_id"),
+        ("deduplication_key_fields", []),
+        ("deduplication_key_fields", ["user id"]),
+        ("deduplication_key_fields", [1]),
+    ],
+)
+async def test_invalid_label_raises_before_anything_is_sent(
+    make_broker: Any,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+    label: str,
+    value: object,
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task
+    async def job(user_id: int) -> None: ...
+
+    with pytest.raises(ValueError, match=label) as caught:
+        await job.kicker().with_labels(**{label: value}).kiq(user_id=1)
+    assert repr(str(value)) in str(caught.value)
+    assert broker.queued == []
+    assert await lock_keys(redis_client, prefix) == []
+
+
+async def test_arguments_that_cannot_be_fingerprinted_raise_naming_the_task(
+    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task
+    async def job(handle: Any) -> None: ...
+
+    with pytest.raises(TypeError, match="deduplication_key") as caught:
+        await job.kiq(handle=object())
+    assert job.task_name in str(caught.value)
+    assert broker.queued == []
+    assert await lock_keys(redis_client, prefix) == []
+
+
+async def test_duplicate_error_survives_pickling() -> None:
+    err = DuplicateTaskError("tasks:job", "prefix:key", "abc")
+    copy = pickle.loads(pickle.dumps(err))  # noqa: S301 (our own object)
+    assert (copy.task_name, copy.key, copy.holder_task_id) == ("tasks:job", "prefix:key", "abc")
+    assert str(copy) == str(err)
+    assert "an unknown task" in str(DuplicateTaskError("t", "k", None))
+
+
+async def test_foreign_lock_value_gives_no_holder(
+    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task(deduplication_key="shared")
+    async def job() -> None: ...
+
+    await redis_client.set(f"{prefix}:shared", "written-by-something-else", ex=30)
+    with pytest.raises(DuplicateTaskError) as caught:
+        await job.kiq()
+    assert caught.value.holder_task_id is None
+
+
+async def test_waiting_for_the_winner(make_broker: Any) -> None:
+    broker = await make_broker()
+    started = asyncio.Event()
+    finish = asyncio.Event()
+
+    @broker.task
+    async def compute(user_id: int) -> int:
+        started.set()
+        await finish.wait()
+        return user_id * 10
+
+    winner = await compute.kiq(user_id=4)
+    await started.wait()
+    try:
+        handle = await compute.kiq(user_id=4)
+    except DuplicateTaskError as err:
+        assert err.holder_task_id is not None
+        handle = AsyncTaskiqTask(err.holder_task_id, broker.result_backend)
+    assert handle.task_id == winner.task_id
+    finish.set()
+    result = await handle.wait_result(timeout=5)
+    assert result.return_value == 40
+
+
+async def test_a_burst_of_concurrent_identical_sends_lets_exactly_one_through(
+    make_broker: Any,
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task
+    async def job(n: int) -> None: ...
+
+    outcomes = await asyncio.gather(*(job.kiq(n=1) for _ in range(300)), return_exceptions=True)
+    accepted = [o for o in outcomes if isinstance(o, AsyncTaskiqTask)]
+    rejected = [o for o in outcomes if isinstance(o, DuplicateTaskError)]
+    assert len(accepted) == 1
+    assert len(rejected) == 299
+    assert {r.holder_task_id for r in rejected} == {accepted[0].task_id}
+
+
+async def test_a_burst_of_distinct_sends_never_runs_out_of_connections(
+    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task
+    async def job(n: int) -> None: ...
+
+    outcomes = await asyncio.gather(*(job.kiq(n=i) for i in range(2000)), return_exceptions=True)
+    assert [o for o in outcomes if isinstance(o, BaseException)] == []
+    assert len(await lock_keys(redis_client, prefix)) == 2000
+
+
+async def test_a_cancelled_kiq_leaves_no_lock(
+    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task
+    async def job() -> None: ...
+
+    sending = asyncio.ensure_future(job.kiq())
+    await asyncio.sleep(0)  # the acquire is queued, not yet answered
+    sending.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await sending
+    await dedup_middleware(broker).shutdown()
+    assert await lock_keys(redis_client, prefix) == []
+    assert broker.queued == []
+
+
+async def test_fail_open_sends_without_a_lock_when_redis_is_unreachable(
+    make_broker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    dead = "redis://127.0.0.1:1/0?socket_connect_timeout=0.5"
+    caplog.set_level(logging.WARNING, logger="taskiq_deduplication")
+    broker = HoldingBroker().with_middlewares(
+        RedisDeduplicationMiddleware(redis_url=dead, fail_open=True)
+    )
+
+    @broker.task
+    async def job() -> None: ...
+
+    await job.kiq()
+    await job.kiq()  # no lock could be taken, so no duplicate could be seen
+    assert len(broker.queued) == 2
+    assert all("_deduplication_lock_key" not in m.labels for m in broker.queued)
+    assert "fail_open" in caplog.text
+
+
+async def test_without_fail_open_an_unreachable_redis_fails_the_send() -> None:
+    dead = "redis://127.0.0.1:1/0?socket_connect_timeout=0.5"
+    broker = HoldingBroker().with_middlewares(RedisDeduplicationMiddleware(redis_url=dead))
+
+    @broker.task
+    async def job() -> None: ...
+
+    with pytest.raises(redis.exceptions.ConnectionError):
+        await job.kiq()
+    assert broker.queued == []
+    await dedup_middleware(broker).shutdown()
