@@ -7,10 +7,11 @@ key prefix of its own and its keys are deleted afterwards.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, Protocol, TypeVar, overload
 
 import pytest
 import redis.asyncio
@@ -69,13 +70,36 @@ def make_middleware(redis_url: str, prefix: str) -> MiddlewareFactory:
     return make
 
 
-BrokerFactory = Callable[..., InMemoryBroker]
+BrokerT = TypeVar("BrokerT", bound=InMemoryBroker)
+
+
+class BrokerFactory(Protocol):
+    """The type of the ``make_broker`` fixture."""
+
+    @overload
+    async def __call__(
+        self,
+        *,
+        broker_class: type[BrokerT],
+        middlewares: list[TaskiqMiddleware] | None = None,
+        await_inplace: bool = False,
+        **options: Any,
+    ) -> BrokerT: ...
+
+    @overload
+    async def __call__(
+        self,
+        *,
+        middlewares: list[TaskiqMiddleware] | None = None,
+        await_inplace: bool = False,
+        **options: Any,
+    ) -> InMemoryBroker: ...
 
 
 @pytest.fixture
 async def make_broker(
     make_middleware: MiddlewareFactory,
-) -> AsyncIterator[Callable[..., Any]]:
+) -> AsyncIterator[BrokerFactory]:
     """Build started in-memory brokers; each is shut down at the end of the test.
 
     ``make_broker(**options)`` puts one deduplication middleware built with
@@ -98,10 +122,33 @@ async def make_broker(
         await broker.startup()
         return broker
 
-    yield make
+    yield make  # type: ignore[misc]  # one implementation serves both overloads
     for broker in brokers:
         await broker.wait_all()
         await broker.shutdown()
+
+
+async def lock_keys(client: redis.asyncio.Redis, prefix: str) -> list[str]:
+    """The lock keys under ``prefix``, sorted."""
+    return sorted([key async for key in client.scan_iter(match=f"{prefix}:*")])
+
+
+async def lock_value(client: redis.asyncio.Redis, key: str) -> str:
+    """The value of a lock, ``"<owner token> <task_id>"``; fails if there is none."""
+    value = await client.get(key)
+    assert isinstance(value, str), f"no lock at {key!r}"
+    return value
+
+
+async def wait_until(condition: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
+    """Poll ``condition`` until it holds; fail after ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not await condition():
+        if loop.time() > deadline:
+            msg = f"condition not met within {timeout}s"
+            raise AssertionError(msg)
+        await asyncio.sleep(0.02)
 
 
 def dedup_middleware(broker: InMemoryBroker) -> RedisDeduplicationMiddleware:

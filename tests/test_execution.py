@@ -20,34 +20,18 @@ from taskiq import (
 
 from taskiq_deduplication import DuplicateTaskError
 from tests._brokers import HoldingBroker
-from tests.conftest import dedup_middleware
-
-
-async def lock_keys(client: redis.asyncio.Redis, prefix: str) -> list[str]:
-    return sorted([key async for key in client.scan_iter(match=f"{prefix}:*")])
-
-
-async def wait_until(condition: Any, timeout: float = 5.0) -> None:
-    """Poll an async condition until it holds; fail after ``timeout`` seconds."""
-    async with asyncio.timeout(timeout) if hasattr(asyncio, "timeout") else _deadline(timeout):
-        while not await condition():
-            await asyncio.sleep(0.02)
-
-
-class _deadline:  # noqa: N801 (a stand-in for asyncio.timeout on Python 3.10)
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-
-    async def __aenter__(self) -> None:
-        self.task = asyncio.current_task()
-        self.handle = asyncio.get_running_loop().call_later(self.seconds, self.task.cancel)  # type: ignore[union-attr]
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.handle.cancel()
+from tests.conftest import (
+    BrokerFactory,
+    MiddlewareFactory,
+    dedup_middleware,
+    lock_keys,
+    lock_value,
+    wait_until,
+)
 
 
 async def test_lock_is_released_when_the_task_succeeds(
-    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker()
 
@@ -62,7 +46,7 @@ async def test_lock_is_released_when_the_task_succeeds(
 
 
 async def test_lock_is_released_once_when_the_task_fails(
-    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker()
 
@@ -91,7 +75,7 @@ async def test_lock_is_released_once_when_the_task_fails(
 
 
 async def test_a_task_waiting_in_the_queue_keeps_its_lock(
-    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker(broker_class=HoldingBroker)
 
@@ -106,7 +90,7 @@ async def test_a_task_waiting_in_the_queue_keeps_its_lock(
 
 
 async def test_a_lock_that_expired_in_the_queue_is_taken_back_at_execution(
-    make_broker: Any,
+    make_broker: BrokerFactory,
     redis_client: redis.asyncio.Redis,
     prefix: str,
     caplog: pytest.LogCaptureFixture,
@@ -117,7 +101,7 @@ async def test_a_lock_that_expired_in_the_queue_is_taken_back_at_execution(
     @broker.task
     async def job() -> None:
         (key,) = await lock_keys(redis_client, prefix)
-        seen.append(await redis_client.get(key))
+        seen.append(await lock_value(redis_client, key))
 
     sent = await job.kiq()
     (key,) = await lock_keys(redis_client, prefix)
@@ -132,7 +116,7 @@ async def test_a_lock_that_expired_in_the_queue_is_taken_back_at_execution(
 
 
 async def test_a_lock_taken_by_another_send_meanwhile_is_left_to_it(
-    make_broker: Any,
+    make_broker: BrokerFactory,
     redis_client: redis.asyncio.Redis,
     prefix: str,
     caplog: pytest.LogCaptureFixture,
@@ -153,7 +137,7 @@ async def test_a_lock_taken_by_another_send_meanwhile_is_left_to_it(
 
 
 async def test_heartbeat_keeps_the_lock_of_a_task_that_outlives_its_ttl(
-    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker(default_ttl=2)
     running = asyncio.Event()
@@ -177,7 +161,7 @@ async def test_heartbeat_keeps_the_lock_of_a_task_that_outlives_its_ttl(
 
 
 async def test_without_heartbeat_the_lock_expires_mid_run(
-    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker(default_ttl=1, heartbeat=False)
     running = asyncio.Event()
@@ -200,7 +184,9 @@ async def test_without_heartbeat_the_lock_expires_mid_run(
     await second.wait_result(timeout=5)
 
 
-async def test_heartbeat_interval_defaults_to_a_third_of_the_ttl(make_broker: Any) -> None:
+async def test_heartbeat_interval_defaults_to_a_third_of_the_ttl(
+    make_broker: BrokerFactory,
+) -> None:
     broker = await make_broker(default_ttl=30)
     middleware = dedup_middleware(broker)
     beats: list[float] = []
@@ -225,7 +211,7 @@ async def test_heartbeat_interval_defaults_to_a_third_of_the_ttl(make_broker: An
 
 
 async def test_heartbeat_interval_option_is_used_but_never_exceeds_half_the_ttl(
-    make_broker: Any,
+    make_broker: BrokerFactory,
 ) -> None:
     broker = await make_broker(default_ttl=60, heartbeat_interval=20)
     middleware = dedup_middleware(broker)
@@ -241,7 +227,7 @@ async def test_heartbeat_interval_option_is_used_but_never_exceeds_half_the_ttl(
 
 
 async def test_heartbeat_ends_with_the_task_and_revives_nothing(
-    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker(default_ttl=2)
     middleware = dedup_middleware(broker)
@@ -265,7 +251,10 @@ class RaisesAfterTheTask(TaskiqMiddleware):
 
 
 async def test_heartbeat_stops_even_when_another_middleware_skips_our_post_execute(
-    make_middleware: Any, make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+    make_middleware: MiddlewareFactory,
+    make_broker: BrokerFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
 ) -> None:
     dedup = make_middleware(default_ttl=2)
     broker = await make_broker(middlewares=[dedup, RaisesAfterTheTask()])
@@ -277,7 +266,7 @@ async def test_heartbeat_stops_even_when_another_middleware_skips_our_post_execu
     with pytest.raises(RuntimeError, match="post_execute failed"):
         await broker.wait_all()
     await asyncio.sleep(0)  # the done callbacks of the ended asyncio task run
-    assert len(dedup._heartbeat) == 0
+    assert len(dedup._heartbeat or ()) == 0
     # The lock was never released, and nothing refreshes it: it expires on its TTL.
     (key,) = await lock_keys(redis_client, prefix)
     assert 0 < await redis_client.pttl(key) <= 2000
@@ -289,7 +278,7 @@ async def test_heartbeat_stops_even_when_another_middleware_skips_our_post_execu
 
 
 async def test_one_heartbeat_batch_refreshes_many_running_tasks(
-    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker(default_ttl=3)
     started = 0
@@ -321,8 +310,8 @@ async def test_one_heartbeat_batch_refreshes_many_running_tasks(
 @pytest.mark.parametrize("retry_first", [True, False], ids=["retry-first", "dedup-first"])
 @pytest.mark.parametrize("retry_class", [SimpleRetryMiddleware, SmartRetryMiddleware])
 async def test_a_retry_is_not_a_duplicate_of_itself(
-    make_middleware: Any,
-    make_broker: Any,
+    make_middleware: MiddlewareFactory,
+    make_broker: BrokerFactory,
     redis_client: redis.asyncio.Redis,
     prefix: str,
     retry_class: type[TaskiqMiddleware],
@@ -342,7 +331,7 @@ async def test_a_retry_is_not_a_duplicate_of_itself(
     async def flaky(user_id: int, context: Context = TaskiqDepends()) -> str:
         attempts.append(context.message.task_id)
         (key,) = await lock_keys(redis_client, prefix)
-        holders.append((await redis_client.get(key)).split(" ")[1])
+        holders.append((await lock_value(redis_client, key)).split(" ")[1])
         try:
             await flaky.kiq(user_id=user_id)  # a duplicate sent in between
         except DuplicateTaskError as err:
@@ -362,11 +351,14 @@ async def test_a_retry_is_not_a_duplicate_of_itself(
     assert holders == [first.task_id] * 3
     assert (await first.wait_result(timeout=5)).return_value == "done"
     assert await lock_keys(redis_client, prefix) == []
-    assert len(dedup._heartbeat) == 0
+    assert len(dedup._heartbeat or ()) == 0
 
 
 async def test_exhausted_retries_release_the_lock(
-    make_middleware: Any, make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+    make_middleware: MiddlewareFactory,
+    make_broker: BrokerFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
 ) -> None:
     dedup = make_middleware()
     broker = await make_broker(middlewares=[dedup, SimpleRetryMiddleware(default_retry_count=3)])
@@ -390,7 +382,7 @@ async def test_exhausted_retries_release_the_lock(
 
 
 async def test_reusing_a_task_id_from_outside_its_run_is_an_ordinary_duplicate(
-    make_middleware: Any, make_broker: Any
+    make_middleware: MiddlewareFactory, make_broker: BrokerFactory
 ) -> None:
     broker = await make_broker(broker_class=HoldingBroker)
 
@@ -404,7 +396,7 @@ async def test_reusing_a_task_id_from_outside_its_run_is_an_ordinary_duplicate(
 
 
 async def test_reusing_a_running_task_id_from_another_asyncio_task_is_a_duplicate(
-    make_broker: Any,
+    make_broker: BrokerFactory,
 ) -> None:
     broker = await make_broker()
     running = asyncio.Event()
@@ -423,7 +415,7 @@ async def test_reusing_a_running_task_id_from_another_asyncio_task_is_a_duplicat
 
 
 async def test_requeue_keeps_the_lock_until_the_last_delivery(
-    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker(broker_class=HoldingBroker)
     runs = 0
@@ -449,7 +441,7 @@ async def test_requeue_keeps_the_lock_until_the_last_delivery(
     assert await lock_keys(redis_client, prefix) == []
 
 
-async def test_worker_side_ignores_malformed_lock_labels(make_broker: Any) -> None:
+async def test_worker_side_ignores_malformed_lock_labels(make_broker: BrokerFactory) -> None:
     broker = await make_broker(broker_class=HoldingBroker)
 
     @broker.task
@@ -458,15 +450,16 @@ async def test_worker_side_ignores_malformed_lock_labels(make_broker: Any) -> No
 
     handle = await job.kicker().with_labels(deduplication=False).kiq()
     broker.queued[0].message = broker.queued[0].message.replace(
-        b'"labels":{', b'"labels":{"_deduplication_lock_key":"k","_deduplication_lock_token":"t",'
-        b'"_deduplication_lock_ttl":"abc",'
+        b'"labels":{',
+        b'"labels":{"_deduplication_lock_key":"k","_deduplication_lock_token":"t",'
+        b'"_deduplication_lock_ttl":"abc",',
     )
     await broker.deliver()
     assert (await handle.wait_result(timeout=5)).return_value == "ran"
 
 
 async def test_inplace_broker_runs_hooks_inside_kiq(
-    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker(await_inplace=True)
     inner: list[str] = []

@@ -91,7 +91,7 @@ def test_lock_labels_are_read_back_tolerantly() -> None:
         "_deduplication_lock_token": "abc",
         "_deduplication_lock_ttl": "60",
     }
-    assert read_lock_labels(good) == LockLabels(key="p:k", token="abc", ttl=60)
+    assert read_lock_labels(good) == LockLabels(key="p:k", token="abc", ttl=60)  # noqa: S106
     assert read_lock_labels({}) is None
     assert read_lock_labels({**good, "_deduplication_lock_ttl": "x"}) is None
     assert read_lock_labels({**good, "_deduplication_lock_ttl": ["60"]}) is None

@@ -10,9 +10,10 @@ import pytest
 import redis.asyncio
 from pydantic import RedisDsn
 
-from taskiq_deduplication import RedisDeduplicationMiddleware
+from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
 from tests._brokers import HoldingBroker
 from tests._server import free_port
+from tests.conftest import BrokerFactory
 
 
 def test_defaults_are_the_documented_ones() -> None:
@@ -52,8 +53,9 @@ def test_defaults_are_the_documented_ones() -> None:
     ],
 )
 def test_invalid_option_raises_naming_it(option: str, value: object) -> None:
+    options: dict[str, Any] = {option: value}
     with pytest.raises(ValueError, match=option):
-        RedisDeduplicationMiddleware(redis_url="redis://localhost:6379", **{option: value})
+        RedisDeduplicationMiddleware(redis_url="redis://localhost:6379", **options)
 
 
 @pytest.mark.parametrize("url", ["", "http://localhost:6379", "localhost:6379", 6379])
@@ -100,7 +102,8 @@ async def test_client_built_from_the_url_has_timeouts(redis_url: str) -> None:
 
 
 async def test_a_ready_client_is_used_and_left_open(redis_url: str, prefix: str) -> None:
-    client = redis.asyncio.Redis.from_url(redis_url)
+    # decode_responses=True: the middleware reads replies as str as well as bytes.
+    client = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
     broker = HoldingBroker().with_middlewares(
         RedisDeduplicationMiddleware(client=client, key_prefix=prefix)
     )
@@ -110,8 +113,11 @@ async def test_a_ready_client_is_used_and_left_open(redis_url: str, prefix: str)
     async def job() -> None: ...
 
     sent = await job.kiq()
+    with pytest.raises(DuplicateTaskError) as caught:
+        await job.kiq()
+    assert caught.value.holder_task_id == sent.task_id
     (key,) = [k async for k in client.scan_iter(match=f"{prefix}:*")]
-    assert (await client.get(key)).decode().endswith(sent.task_id)
+    assert str(await client.get(key)).endswith(sent.task_id)
     await broker.shutdown()
     assert await client.ping()  # still usable: the middleware did not close it
     await client.delete(key)
@@ -144,7 +150,7 @@ async def test_startup_succeeds_once_redis_answers(redis_url: str) -> None:
 
 
 async def test_nothing_is_left_running_in_the_event_loop_after_shutdown(
-    make_broker: Any,
+    make_broker: BrokerFactory,
 ) -> None:
     before = asyncio.all_tasks()
     broker = await make_broker(default_ttl=3)

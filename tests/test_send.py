@@ -13,15 +13,11 @@ from taskiq import AsyncTaskiqTask, SendTaskError
 
 from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
 from tests._brokers import HoldingBroker, RefusingBroker
-from tests.conftest import dedup_middleware
-
-
-async def lock_keys(client: redis.asyncio.Redis, prefix: str) -> list[str]:
-    return sorted([key async for key in client.scan_iter(match=f"{prefix}:*")])
+from tests.conftest import BrokerFactory, dedup_middleware, lock_keys, lock_value
 
 
 async def test_second_identical_kiq_raises_naming_the_holder(
-    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker(broker_class=HoldingBroker)
 
@@ -43,7 +39,7 @@ async def test_second_identical_kiq_raises_naming_the_holder(
 
 
 async def test_lock_value_names_the_holder_and_an_owner_token(
-    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker(broker_class=HoldingBroker)
 
@@ -52,7 +48,7 @@ async def test_lock_value_names_the_holder_and_an_owner_token(
 
     first = await job.kiq()
     (key,) = await lock_keys(redis_client, prefix)
-    token, task_id = (await redis_client.get(key)).split(" ")
+    token, task_id = (await lock_value(redis_client, key)).split(" ")
     assert task_id == first.task_id
     assert len(token) == 16
     assert key == f"{prefix}:" + key.rsplit(":", 1)[1]
@@ -60,7 +56,7 @@ async def test_lock_value_names_the_holder_and_an_owner_token(
 
 
 async def test_duplicate_is_logged_as_a_warning_without_arguments(
-    make_broker: Any, caplog: pytest.LogCaptureFixture
+    make_broker: BrokerFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     broker = await make_broker(broker_class=HoldingBroker)
 
@@ -80,7 +76,7 @@ async def test_duplicate_is_logged_as_a_warning_without_arguments(
     assert "SECRET" not in caplog.text
 
 
-async def test_different_arguments_are_different_locks(make_broker: Any) -> None:
+async def test_different_arguments_are_different_locks(make_broker: BrokerFactory) -> None:
     broker = await make_broker(broker_class=HoldingBroker)
 
     @broker.task
@@ -89,13 +85,13 @@ async def test_different_arguments_are_different_locks(make_broker: Any) -> None
     await job.kiq(user_id=1)
     await job.kiq(user_id=2)
     await job.kiq(2)  # positional: a different fingerprint from user_id=2, as documented
-    await job.kiq("2")  # a string is not the number 2
+    await job.kiq("2")  # type: ignore[call-overload]  # a string is not the number 2
     with pytest.raises(DuplicateTaskError):
         await job.kiq(2)
     assert len(broker.queued) == 4
 
 
-async def test_keyword_order_does_not_matter(make_broker: Any) -> None:
+async def test_keyword_order_does_not_matter(make_broker: BrokerFactory) -> None:
     broker = await make_broker(broker_class=HoldingBroker)
 
     @broker.task
@@ -106,7 +102,7 @@ async def test_keyword_order_does_not_matter(make_broker: Any) -> None:
         await job.kiq(b=2, a=1)
 
 
-async def test_same_arguments_to_different_tasks_do_not_collide(make_broker: Any) -> None:
+async def test_same_arguments_to_different_tasks_do_not_collide(make_broker: BrokerFactory) -> None:
     broker = await make_broker(broker_class=HoldingBroker)
 
     @broker.task
@@ -121,7 +117,7 @@ async def test_same_arguments_to_different_tasks_do_not_collide(make_broker: Any
 
 
 async def test_lock_gets_the_grace_ttl_then_its_full_ttl(
-    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     refusing = await make_broker(broker_class=RefusingBroker, default_ttl=120)
 
@@ -144,7 +140,7 @@ async def test_lock_gets_the_grace_ttl_then_its_full_ttl(
 
 
 async def test_ttl_shorter_than_the_grace_ttl_is_used_for_both(
-    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker(broker_class=RefusingBroker, default_ttl=3)
 
@@ -158,7 +154,7 @@ async def test_ttl_shorter_than_the_grace_ttl_is_used_for_both(
 
 
 async def test_ttl_label_on_the_decorator_and_on_the_call(
-    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker(broker_class=HoldingBroker, default_ttl=300)
 
@@ -180,7 +176,7 @@ async def test_ttl_label_on_the_decorator_and_on_the_call(
 
 
 async def test_opting_out_on_the_decorator_and_on_the_call(
-    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker(broker_class=HoldingBroker)
 
@@ -200,7 +196,9 @@ async def test_opting_out_on_the_decorator_and_on_the_call(
     assert all("_deduplication_lock_key" not in m.labels for m in broker.queued)
 
 
-async def test_opt_in_mode(make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str) -> None:
+async def test_opt_in_mode(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
     broker = await make_broker(broker_class=HoldingBroker, default_deduplication=False)
 
     @broker.task
@@ -221,7 +219,7 @@ async def test_opt_in_mode(make_broker: Any, redis_client: redis.asyncio.Redis, 
 
 
 async def test_explicit_key_shares_one_lock_whatever_the_arguments(
-    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker(broker_class=HoldingBroker)
 
@@ -235,7 +233,7 @@ async def test_explicit_key_shares_one_lock_whatever_the_arguments(
     assert await lock_keys(redis_client, prefix) == [f"{prefix}:send-welcome-email"]
 
 
-async def test_explicit_key_on_the_call_wins_over_key_fields(make_broker: Any) -> None:
+async def test_explicit_key_on_the_call_wins_over_key_fields(make_broker: BrokerFactory) -> None:
     broker = await make_broker(broker_class=HoldingBroker)
 
     @broker.task(deduplication_key_fields=["user_id"])
@@ -248,7 +246,7 @@ async def test_explicit_key_on_the_call_wins_over_key_fields(make_broker: Any) -
     await job.kiq(user_id=1)  # the key fields still apply without the explicit key
 
 
-async def test_key_fields_deduplicate_on_a_subset_of_kwargs(make_broker: Any) -> None:
+async def test_key_fields_deduplicate_on_a_subset_of_kwargs(make_broker: BrokerFactory) -> None:
     broker = await make_broker(broker_class=HoldingBroker)
 
     @broker.task(deduplication_key_fields=["user_id"])
@@ -258,14 +256,16 @@ async def test_key_fields_deduplicate_on_a_subset_of_kwargs(make_broker: Any) ->
     with pytest.raises(DuplicateTaskError):
         await send_welcome_email.kiq(user_id=1, locale="fr")
     await send_welcome_email.kiq(user_id=2, locale="en")
-    labelled = send_welcome_email.kicker().with_labels(deduplication_key_fields=["locale"])
+    labelled = send_welcome_email.kicker().with_labels(
+        deduplication_key_fields=["locale"]  # type: ignore[arg-type]  # list labels work
+    )
     await labelled.kiq(user_id=3, locale="de")
     with pytest.raises(DuplicateTaskError):
         await labelled.kiq(user_id=4, locale="de")
 
 
 async def test_missing_key_field_is_dropped_with_a_warning(
-    make_broker: Any, caplog: pytest.LogCaptureFixture
+    make_broker: BrokerFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     broker = await make_broker(broker_class=HoldingBroker)
 
@@ -280,7 +280,7 @@ async def test_missing_key_field_is_dropped_with_a_warning(
 
 
 async def test_positional_arguments_with_key_fields_are_left_out_with_a_warning(
-    make_broker: Any, caplog: pytest.LogCaptureFixture
+    make_broker: BrokerFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     broker = await make_broker(broker_class=HoldingBroker)
 
@@ -295,7 +295,7 @@ async def test_positional_arguments_with_key_fields_are_left_out_with_a_warning(
         await job.kiq("pen", user_id=1)
 
 
-async def test_labels_given_as_strings_are_read_as_their_values(make_broker: Any) -> None:
+async def test_labels_given_as_strings_are_read_as_their_values(make_broker: BrokerFactory) -> None:
     # A scheduled send loses taskiq's label types: every label is a string.
     broker = await make_broker(broker_class=HoldingBroker)
 
@@ -329,7 +329,7 @@ async def test_labels_given_as_strings_are_read_as_their_values(make_broker: Any
     ],
 )
 async def test_invalid_label_raises_before_anything_is_sent(
-    make_broker: Any,
+    make_broker: BrokerFactory,
     redis_client: redis.asyncio.Redis,
     prefix: str,
     label: str,
@@ -340,15 +340,16 @@ async def test_invalid_label_raises_before_anything_is_sent(
     @broker.task
     async def job(user_id: int) -> None: ...
 
+    labels: dict[str, Any] = {label: value}
     with pytest.raises(ValueError, match=label) as caught:
-        await job.kicker().with_labels(**{label: value}).kiq(user_id=1)
+        await job.kicker().with_labels(**labels).kiq(user_id=1)
     assert repr(str(value)) in str(caught.value)
     assert broker.queued == []
     assert await lock_keys(redis_client, prefix) == []
 
 
 async def test_arguments_that_cannot_be_fingerprinted_raise_naming_the_task(
-    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker(broker_class=HoldingBroker)
 
@@ -371,7 +372,7 @@ async def test_duplicate_error_survives_pickling() -> None:
 
 
 async def test_foreign_lock_value_gives_no_holder(
-    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker(broker_class=HoldingBroker)
 
@@ -384,7 +385,7 @@ async def test_foreign_lock_value_gives_no_holder(
     assert caught.value.holder_task_id is None
 
 
-async def test_waiting_for_the_winner(make_broker: Any) -> None:
+async def test_waiting_for_the_winner(make_broker: BrokerFactory) -> None:
     broker = await make_broker()
     started = asyncio.Event()
     finish = asyncio.Event()
@@ -397,19 +398,20 @@ async def test_waiting_for_the_winner(make_broker: Any) -> None:
 
     winner = await compute.kiq(user_id=4)
     await started.wait()
+    holder: str | None = None
     try:
-        handle = await compute.kiq(user_id=4)
+        await compute.kiq(user_id=4)
     except DuplicateTaskError as err:
-        assert err.holder_task_id is not None
-        handle = AsyncTaskiqTask(err.holder_task_id, broker.result_backend)
-    assert handle.task_id == winner.task_id
+        holder = err.holder_task_id
+    assert holder == winner.task_id
+    handle = AsyncTaskiqTask(holder, broker.result_backend)
     finish.set()
     result = await handle.wait_result(timeout=5)
     assert result.return_value == 40
 
 
 async def test_a_burst_of_concurrent_identical_sends_lets_exactly_one_through(
-    make_broker: Any,
+    make_broker: BrokerFactory,
 ) -> None:
     broker = await make_broker(broker_class=HoldingBroker)
 
@@ -425,7 +427,7 @@ async def test_a_burst_of_concurrent_identical_sends_lets_exactly_one_through(
 
 
 async def test_a_burst_of_distinct_sends_never_runs_out_of_connections(
-    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker(broker_class=HoldingBroker)
 
@@ -438,7 +440,7 @@ async def test_a_burst_of_distinct_sends_never_runs_out_of_connections(
 
 
 async def test_a_cancelled_kiq_leaves_no_lock(
-    make_broker: Any, redis_client: redis.asyncio.Redis, prefix: str
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker(broker_class=HoldingBroker)
 
@@ -456,7 +458,7 @@ async def test_a_cancelled_kiq_leaves_no_lock(
 
 
 async def test_fail_open_sends_without_a_lock_when_redis_is_unreachable(
-    make_broker: Any, caplog: pytest.LogCaptureFixture
+    make_broker: BrokerFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     dead = "redis://127.0.0.1:1/0?socket_connect_timeout=0.5"
     caplog.set_level(logging.WARNING, logger="taskiq_deduplication")
