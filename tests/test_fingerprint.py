@@ -120,6 +120,13 @@ def test_rich_values_are_encoded_as_they_travel() -> None:
     assert call_fingerprint("t", [], RICH) != call_fingerprint("t", [], {**RICH, "raw": b"other"})
 
 
+def test_bytes_that_are_not_utf8_are_encoded_too() -> None:
+    binary = call_fingerprint("t", [b"\xff\x00"], {})
+    assert binary == call_fingerprint("t", [bytearray(b"\xff\x00")], {})
+    assert binary != call_fingerprint("t", [b"\xff\x01"], {})
+    assert binary != call_fingerprint("t", ["\xff\x00"], {})
+
+
 STABLE_SCRIPT = """
 import datetime, decimal, json, sys, uuid
 sys.path[:0] = json.loads(sys.argv[1])

@@ -7,11 +7,13 @@ arguments (in any order). Values are compared as taskiq sends them, as JSON:
 pydantic model and the dict it dumps to, do not. Values that JSON alone cannot
 encode (UUID, datetime, Decimal, pydantic models, dataclasses, enums, sets,
 bytes, ...) are encoded deterministically, so a set fingerprints the same in
-every process whatever its iteration order.
+every process whatever its iteration order, and bytes that are not UTF-8 (which
+only a non-JSON formatter can send) are encoded as base64.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import enum
 import hashlib
@@ -80,35 +82,43 @@ def _digest(task_name: str, call: list[Any]) -> str:
 _MAX_DEPTH = 200
 
 
-def _canonical(value: Any, depth: int) -> Any:  # noqa: ANN401, PLR0911 (one branch per kind)
+def _canonical(value: Any, depth: int) -> Any:  # noqa: ANN401 (any argument value)
     """Turn ``value`` into plain JSON data that encodes it deterministically."""
+    if isinstance(value, _JSON_SCALARS):
+        return value
     if depth > _MAX_DEPTH:
         msg = "arguments nested too deeply (a circular reference?)"
         raise ValueError(msg)
     depth += 1
-    if isinstance(value, _JSON_SCALARS):
-        return value
     if isinstance(value, Mapping):
         return {_canonical_key(k): _canonical(v, depth) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_canonical(item, depth) for item in value]
     if isinstance(value, (set, frozenset)):
-        items = [_canonical(item, depth) for item in value]
-        return sorted(items, key=_sort_key)
+        return sorted((_canonical(item, depth) for item in value), key=_sort_key)
+    return _canonical(_plainer(value), depth)
+
+
+def _plainer(value: object) -> Any:  # noqa: ANN401 (a value on its way to plain data)
+    """One step from a value JSON cannot encode towards plain data."""
     if isinstance(value, pydantic.BaseModel):
-        # Python mode keeps nested sets as sets, so their order is fixed above.
-        return _canonical(value.model_dump(mode="python"), depth)
+        # Python mode keeps nested sets as sets, so their order is fixed by the caller.
+        return value.model_dump(mode="python")
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-        return _canonical(fields, depth)
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     if isinstance(value, enum.Enum):
-        return _canonical(value.value, depth)
+        return value.value
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            return value.decode("utf-8")  # as taskiq's JSON formatter sends it
+        except UnicodeDecodeError:
+            # Only other formatters can send these; the NUL keeps them apart from any str key.
+            return {"\x00bytes": base64.b64encode(value).decode("ascii")}
     try:
-        jsonable = pydantic_core.to_jsonable_python(value)
+        return pydantic_core.to_jsonable_python(value)
     except pydantic_core.PydanticSerializationError:
         msg = f"values of type {type(value).__qualname__} cannot be encoded"
         raise TypeError(msg) from None
-    return _canonical(jsonable, depth)
 
 
 def _canonical_key(key: object) -> str:
