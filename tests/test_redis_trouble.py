@@ -127,6 +127,55 @@ async def test_a_restarted_server_loses_its_scripts_and_the_middleware_reloads_t
     await broker.shutdown()
 
 
+async def test_a_kiq_cancelled_while_waiting_for_redis_leaves_no_lock(server: Server) -> None:
+    broker = await started(server, default_ttl=60)
+    client = redis.asyncio.Redis.from_url(server.url, decode_responses=True)
+
+    @broker.task
+    async def job(n: int) -> None: ...
+
+    server.pause()
+    first = asyncio.ensure_future(job.kiq(n=1))  # on the wire, unanswered
+    await asyncio.sleep(0.05)
+    second = asyncio.ensure_future(job.kiq(n=2))  # queued behind it
+    await asyncio.sleep(0.05)
+    second.cancel()
+    server.resume()
+    await first
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    await broker.shutdown()  # sends the release queued for the cancelled send
+    (key,) = await client.keys("*")  # only the first send's lock
+    assert str(await client.get(key)).endswith(first.result().task_id)
+    assert len(broker.queued) == 1
+    await client.aclose()
+
+
+async def test_a_kiq_cancelled_mid_round_trip_leaves_at_most_a_grace_ttl_lock(
+    server: Server,
+) -> None:
+    broker = await started(server, default_ttl=60)
+    client = redis.asyncio.Redis.from_url(server.url, decode_responses=True)
+
+    @broker.task
+    async def job() -> None: ...
+
+    server.pause()
+    sending = asyncio.ensure_future(job.kiq())
+    await asyncio.sleep(0.1)  # the acquire is written, its reply cannot come
+    sending.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await sending
+    server.resume()
+    await broker.shutdown()
+    for key in await client.keys("*"):  # the acquire may still have run
+        assert 0 < await client.pttl(key) <= 10_000
+    assert broker.queued == []
+    await job.kiq()  # the middleware goes on working on a new connection
+    await broker.shutdown()
+    await client.aclose()
+
+
 async def test_an_event_loop_of_its_own_for_each_run() -> None:
     # A module-level broker used by several asyncio.run() calls, as in tests of
     # an application, must not reuse connections of a closed loop.

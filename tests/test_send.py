@@ -439,24 +439,6 @@ async def test_a_burst_of_distinct_sends_never_runs_out_of_connections(
     assert len(await lock_keys(redis_client, prefix)) == 2000
 
 
-async def test_a_cancelled_kiq_leaves_no_lock(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
-) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
-    @broker.task
-    async def job() -> None: ...
-
-    sending = asyncio.ensure_future(job.kiq())
-    await asyncio.sleep(0)  # the acquire is queued, not yet answered
-    sending.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await sending
-    await dedup_middleware(broker).shutdown()
-    assert await lock_keys(redis_client, prefix) == []
-    assert broker.queued == []
-
-
 async def test_fail_open_sends_without_a_lock_when_redis_is_unreachable(
     make_broker: BrokerFactory, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -193,7 +193,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         if self._heartbeat is not None:
             await self._heartbeat.stop()
         try:
-            await self._locks.drain()
+            await self._locks.close()
         finally:
             self._locks = None
             self._heartbeat = None

@@ -9,13 +9,15 @@
 --
 -- The lock's value is "<owner token> <task_id>".
 -- Returns false (a nil reply) when the lock is now this send's, otherwise the
--- value of the lock that another send holds.
+-- value of the lock that another send holds. Running it twice for the same
+-- send (a batch resent after a dropped connection) takes the lock both times.
+local value = ARGV[1] .. ' ' .. ARGV[2]
 local current = redis.call('GET', KEYS[1])
-if current then
+if current and current ~= value then
   local separator = string.find(current, ' ', 1, true)
   if ARGV[4] == '' or not separator or string.sub(current, separator + 1) ~= ARGV[4] then
     return current
   end
 end
-redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. ARGV[2], 'PX', ARGV[3])
+redis.call('SET', KEYS[1], value, 'PX', ARGV[3])
 return false
