@@ -18,7 +18,7 @@ from importlib import resources
 from typing import TYPE_CHECKING, Final
 
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from taskiq_deduplication.pipeline import Pipeline, text
 
@@ -30,8 +30,9 @@ if TYPE_CHECKING:
 
     RedisClient = Redis | RedisCluster
 
-#: The errors that mean "Redis could not be reached or did not answer".
-REDIS_ERRORS: Final = (RedisError, OSError, asyncio.TimeoutError)
+#: The errors that mean "Redis could not be reached or did not answer". A cluster
+#: client that reaches no node raises RedisClusterException, which is no RedisError.
+REDIS_ERRORS: Final = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
 
 # Most locks in one re-assert call.
 _MAX_KEYS_PER_REASSERT: Final = 500

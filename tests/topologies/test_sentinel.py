@@ -1,0 +1,207 @@
+"""The middleware on a Sentinel-managed primary, through ``Sentinel.master_for``.
+
+The failover tests kill the primary (SIGKILL) and check that the middleware goes
+on without a restart once the sentinels have promoted the replica; they also
+measure how many locks taken just before the kill were lost with it, since the
+replica is fed asynchronously.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+from redis.asyncio.sentinel import Sentinel
+from taskiq import SimpleRetryMiddleware, TaskiqMiddleware
+
+from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
+from tests._brokers import HoldingBroker
+from tests.topologies._servers import Sentinels
+
+logger = logging.getLogger(__name__)
+
+_FAILOVER_TIMEOUT = 30.0
+
+
+def primary_client(watched: Sentinels) -> Redis:
+    """The client the docs recommend: the sentinels' current primary, short timeouts."""
+    sentinel = Sentinel(watched.addresses, socket_timeout=0.5)  # type: ignore[no-untyped-call]
+    client: Redis = sentinel.master_for(
+        watched.service, socket_timeout=0.5, socket_connect_timeout=0.5, decode_responses=True
+    )
+    return client
+
+
+@pytest.fixture
+async def client(sentinels: Sentinels) -> AsyncIterator[Redis]:
+    connected = primary_client(sentinels)
+    try:
+        yield connected
+    finally:
+        await connected.aclose()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"sentinel:{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def fresh_sentinels() -> Iterator[Sentinels]:
+    """A topology of its own, for a test that kills its primary."""
+    watched = Sentinels().start()
+    try:
+        yield watched
+    finally:
+        watched.stop()
+
+
+async def started(
+    client: Redis, prefix: str, *, more: list[TaskiqMiddleware] | None = None, **options: Any
+) -> HoldingBroker:
+    dedup = RedisDeduplicationMiddleware(client=client, key_prefix=prefix, **options)
+    broker = HoldingBroker().with_middlewares(dedup, *(more or []))
+    await broker.startup()
+    return broker
+
+
+async def test_duplicate_rejected_and_released_after_success_and_failure(
+    client: Redis, prefix: str
+) -> None:
+    broker = await started(client, prefix)
+
+    @broker.task
+    async def ok(n: int) -> int:
+        return n
+
+    @broker.task
+    async def boom(n: int) -> None:
+        msg = "failed"
+        raise RuntimeError(msg)
+
+    first = await ok.kiq(n=1)
+    with pytest.raises(DuplicateTaskError) as caught:
+        await ok.kiq(n=1)
+    assert caught.value.holder_task_id == first.task_id
+    await boom.kiq(n=1)
+    await broker.deliver()
+    assert await client.keys(f"{prefix}:*") == []
+    await broker.shutdown()
+
+
+async def test_heartbeat_and_retry_takeover(client: Redis, prefix: str) -> None:
+    retry = SimpleRetryMiddleware(default_retry_count=3)
+    broker = await started(client, prefix, more=[retry], default_ttl=2)
+    attempts = 0
+
+    @broker.task(retry_on_error=True)
+    async def flaky() -> str:
+        nonlocal attempts
+        attempts += 1
+        if attempts == 1:
+            await asyncio.sleep(2.5)  # outlives the TTL: the heartbeat keeps the lock
+            msg = "first attempt fails"
+            raise RuntimeError(msg)
+        return "done"
+
+    await flaky.kiq()
+    await broker.deliver()
+    assert attempts == 2
+    assert await client.keys(f"{prefix}:*") == []
+    await broker.shutdown()
+
+
+async def sent(kiq: Any) -> bool:
+    """Whether a send went through; errors of a primary that is gone mean no."""
+    try:
+        await kiq
+    except DuplicateTaskError:
+        raise
+    except Exception:  # noqa: BLE001 (the old primary's errors, until the switch)
+        return False
+    return True
+
+
+async def wait_for_failover(watched: Sentinels, old_port: int) -> None:
+    deadline = time.monotonic() + _FAILOVER_TIMEOUT
+    while time.monotonic() < deadline:
+        try:
+            if watched.current_primary_port() != old_port:
+                return
+        except Exception:  # noqa: BLE001, S110 (a sentinel may be busy electing)
+            pass
+        await asyncio.sleep(0.1)
+    msg = f"no failover within {_FAILOVER_TIMEOUT}s"
+    raise AssertionError(msg)
+
+
+async def test_failover_without_restarting_the_application(
+    fresh_sentinels: Sentinels, prefix: str
+) -> None:
+    client = primary_client(fresh_sentinels)
+    broker = await started(client, prefix)
+
+    @broker.task
+    async def job(n: int) -> None: ...
+
+    before = await job.kiq(n=0)
+    await asyncio.sleep(0.2)  # replicated long before the kill
+    old_port = fresh_sentinels.primary.port
+    killed_at = time.monotonic()
+    fresh_sentinels.primary.process.kill()  # type: ignore[union-attr]
+    await wait_for_failover(fresh_sentinels, old_port)
+    recovered_after = None
+    while time.monotonic() - killed_at < _FAILOVER_TIMEOUT:
+        if await sent(job.kiq(n=1)):
+            recovered_after = time.monotonic() - killed_at
+            break
+        await asyncio.sleep(0.1)
+    assert recovered_after is not None
+    logger.warning("sends accepted again %.2fs after the primary was killed", recovered_after)
+    with pytest.raises(DuplicateTaskError) as caught:  # the lock replicated before survived
+        await job.kiq(n=0)
+    assert caught.value.holder_task_id == before.task_id
+    await broker.shutdown()
+    await client.aclose()
+
+
+async def test_locks_taken_just_before_a_failover_can_be_lost(
+    fresh_sentinels: Sentinels, prefix: str
+) -> None:
+    client = primary_client(fresh_sentinels)
+    broker = await started(client, prefix)
+
+    @broker.task
+    async def job(n: int) -> None: ...
+
+    taken: list[object] = []
+    stop_at = time.monotonic() + 0.5
+    while time.monotonic() < stop_at:  # back-to-back sends right up to the kill
+        taken.append(await job.kiq(n=len(taken)))
+    old_port = fresh_sentinels.primary.port
+    fresh_sentinels.primary.process.kill()  # type: ignore[union-attr]
+    await wait_for_failover(fresh_sentinels, old_port)
+    survivors = 0
+    deadline = time.monotonic() + _FAILOVER_TIMEOUT
+    while True:
+        try:
+            survivors = len(await client.keys(f"{prefix}:*"))
+            break
+        except Exception:  # until the client has found the new primary
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+    lost = len(taken) - survivors
+    logger.warning(
+        "failover lost %d of %d locks taken in the last 0.5s before the kill", lost, len(taken)
+    )
+    assert 0 <= lost <= len(taken)
+    assert survivors > 0  # nearly all of them were replicated in time
+    await broker.shutdown()
+    await client.aclose()
