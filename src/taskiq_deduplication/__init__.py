@@ -1,7 +1,8 @@
 """Deduplication for taskiq: the same task is never queued or run twice at once.
 
-Register :class:`RedisDeduplicationMiddleware` on the broker; a ``kiq()`` whose
-task is already queued or running raises :class:`DuplicateTaskError`.
+Register [RedisDeduplicationMiddleware][taskiq_deduplication.RedisDeduplicationMiddleware]
+on the broker; a ``kiq()`` whose task is already queued or running raises
+[DuplicateTaskError][taskiq_deduplication.DuplicateTaskError].
 """
 
 from taskiq_deduplication.__about__ import __version__

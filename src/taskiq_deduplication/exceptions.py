@@ -10,11 +10,16 @@ class DuplicateTaskError(Exception):
     the task's fingerprint is held by another send.
 
     Attributes:
-        task_name: Name of the task that was rejected.
-        key: Redis key of the lock whose holder caused the rejection.
-        holder_task_id: ``task_id`` of the task holding the lock, or ``None`` if
-            the lock's value was not written by this library and names no task.
+        task_name (str): Name of the task that was rejected.
+        key (str): Redis key of the lock whose holder caused the rejection.
+        holder_task_id (str | None): ``task_id`` of the task holding the lock, or
+            ``None`` if the lock's value was not written by this library and
+            names no task.
     """
+
+    task_name: str
+    key: str
+    holder_task_id: str | None
 
     def __init__(self, task_name: str, key: str, holder_task_id: str | None) -> None:
         """Record which task was rejected and who holds its lock.

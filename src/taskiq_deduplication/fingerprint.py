@@ -49,7 +49,7 @@ def call_fingerprint(task_name: str, args: Sequence[Any], kwargs: Mapping[str, A
 def fields_fingerprint(task_name: str, fields: Mapping[str, Any]) -> str:
     """Fingerprint a task name and a chosen subset of its keyword arguments.
 
-    The encoding has a different shape from :func:`call_fingerprint`'s, so a
+    The encoding has a different shape from `call_fingerprint`'s, so a
     fields fingerprint never equals a whole-call one.
 
     Args:

@@ -1,6 +1,6 @@
 """The heartbeat: one loop per process that keeps the locks of running tasks alive.
 
-Each running task is a :class:`Beat` with its own interval. The loop sleeps until
+Each running task is a `Beat` with its own interval. The loop sleeps until
 the earliest beat is due, then re-asserts every beat that is due or within half
 an interval of it, all in one batch. Beats that start at different moments are
 thereby pulled together, so a worker running thousands of tasks with the same

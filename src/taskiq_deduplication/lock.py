@@ -3,9 +3,9 @@
 A lock is one string key, ``<key_prefix>:<fingerprint or explicit key>``, whose
 value is ``"<owner token> <task_id>"``: the token is new for every send, so a
 lock can only be extended or released by the send that took it, and the
-task_id names the holder in a :class:`~taskiq_deduplication.DuplicateTaskError`.
+task_id names the holder in a [DuplicateTaskError][taskiq_deduplication.DuplicateTaskError].
 
-Every script call goes through one :class:`~taskiq_deduplication.pipeline.Pipeline`,
+Every script call goes through one `Pipeline` (in `pipeline.py`),
 which keeps them in order and sends those issued in the same instant together.
 """
 
@@ -127,7 +127,7 @@ class LockStore:
         """Refresh each lock still owned, take back each that vanished.
 
         Returns:
-            Per lock: :attr:`Reasserted.REFRESHED`, :attr:`Reasserted.TAKEN_BACK`,
+            Per lock: `Reasserted.REFRESHED`, `Reasserted.TAKEN_BACK`,
             or the value of the lock another send holds now.
         """
         step = self._keys_per_reassert

@@ -1,13 +1,14 @@
 """The middleware: the life of a deduplicated task, hook by hook.
 
 Send (``pre_send``): fingerprint the call, take its lock for a short grace TTL,
-refuse the send with :class:`DuplicateTaskError` if another task holds it.
+refuse the send with a ``DuplicateTaskError`` if another task holds it.
 Sent (``post_send``): the broker has the message; give the lock its full TTL.
 Run (``pre_execute``): re-assert the lock and let the heartbeat keep it alive.
 End (``on_error``, ``post_execute``): stop the heartbeat, release the lock.
 
-The mechanics live next door: :mod:`.labels` reads the labels, :mod:`.fingerprint`
-makes the key, :mod:`.lock` talks to Redis and :mod:`.heartbeat` refreshes locks.
+The mechanics live next door: `labels.py` reads the labels, `fingerprint.py`
+makes the key, `lock.py` and `pipeline.py` talk to Redis, and `heartbeat.py`
+refreshes locks.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
 
     Every ``kiq()`` takes a Redis lock keyed on the task's fingerprint (its name
     and arguments, or an explicit key); an identical ``kiq()`` while the lock is
-    held raises :class:`~taskiq_deduplication.DuplicateTaskError`. A heartbeat
+    held raises [DuplicateTaskError][taskiq_deduplication.DuplicateTaskError]. A heartbeat
     keeps the lock alive while the task runs, and the lock is released when the
     task ends.
 
@@ -102,7 +103,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         heartbeat: bool = True,
         heartbeat_interval: float | None = None,
         fail_open: bool = False,
-        client: RedisClient | None = None,
+        client: Redis | RedisCluster | None = None,
     ) -> None:
         """Configure the middleware; nothing connects until the broker starts.
 
@@ -210,7 +211,9 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             DuplicateTaskError: Another send holds the lock.
             ValueError: A deduplication label has an invalid value.
             TypeError: The arguments cannot be fingerprinted.
-            redis.exceptions.RedisError: Redis failed and ``fail_open`` is off.
+            redis.exceptions.RedisError: Redis failed and ``fail_open`` is off (a
+                cluster client that reaches no node raises
+                ``redis.exceptions.RedisClusterException`` instead).
         """
         options = labels.read_send_options(
             message.labels,
