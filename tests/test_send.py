@@ -50,9 +50,9 @@ async def test_lock_value_names_the_holder_and_an_owner_token(
     (key,) = await lock_keys(redis_client, prefix)
     token, task_id = (await lock_value(redis_client, key)).split(" ")
     assert task_id == first.task_id
-    assert len(token) == 16
+    assert len(token) == 11
     assert key == f"{prefix}:" + key.rsplit(":", 1)[1]
-    assert len(key.rsplit(":", 1)[1]) == 64  # the full SHA-256 digest
+    assert len(key.rsplit(":", 1)[1]) == 43  # the full SHA-256 digest, base64url
 
 
 async def test_duplicate_is_logged_as_a_warning_without_arguments(

@@ -39,8 +39,12 @@ _MAX_KEYS_PER_REASSERT: Final = 500
 
 
 def new_token() -> str:
-    """Make an owner token: unique per send, short, without spaces."""
-    return secrets.token_hex(8)
+    """Make an owner token: unique per send, short, without spaces.
+
+    64 random bits in 11 characters. With a 32-character task_id the lock's value
+    is then 44 bytes, the most Redis stores inside the key's own allocation.
+    """
+    return secrets.token_urlsafe(8)
 
 
 def holder_task_id(value: str) -> str | None:
