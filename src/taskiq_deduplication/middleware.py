@@ -316,7 +316,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                     lock.key,
                 )
                 execution.owned = False
-        if self.heartbeat and execution.owned and not execution.ended:
+        if self.heartbeat and execution.owned:
             execution.beat = Beat(lock, message.task_name, self._interval(lock))
             self._beats().add(execution.beat)
         return message
