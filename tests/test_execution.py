@@ -10,12 +10,15 @@ import pytest
 import redis.asyncio
 from taskiq import (
     Context,
+    ScheduledTask,
+    ScheduleSource,
     SimpleRetryMiddleware,
     SmartRetryMiddleware,
     TaskiqDepends,
     TaskiqMessage,
     TaskiqMiddleware,
     TaskiqResult,
+    TaskiqScheduler,
 )
 
 from taskiq_deduplication import DuplicateTaskError
@@ -451,7 +454,7 @@ async def test_worker_side_ignores_malformed_lock_labels(make_broker: BrokerFact
     handle = await job.kicker().with_labels(deduplication=False).kiq()
     broker.queued[0].message = broker.queued[0].message.replace(
         b'"labels":{',
-        b'"labels":{"_deduplication_lock_key":"k","_deduplication_lock_token":"t",'
+        b'"labels":{"_deduplication_lock_key":"k","_deduplication_lock_owner":"t x",'
         b'"_deduplication_lock_ttl":"abc",',
     )
     await broker.deliver()
@@ -479,3 +482,88 @@ async def test_inplace_broker_runs_hooks_inside_kiq(
     await dedup_middleware(broker).shutdown()
     assert await lock_keys(redis_client, prefix) == []
     await parent.kiq()  # the parent's lock went too, and the late extension revived nothing
+
+
+class KeptSchedules(ScheduleSource):
+    """A schedule source that keeps what is added, for the test to fire by hand."""
+
+    def __init__(self) -> None:
+        self.schedules: list[ScheduledTask] = []
+
+    async def get_schedules(self) -> list[ScheduledTask]:
+        return list(self.schedules)
+
+    async def add_schedule(self, schedule: ScheduledTask) -> None:
+        self.schedules.append(schedule)
+
+
+async def test_a_retry_left_to_a_schedule_source_keeps_the_lock_between_attempts(
+    make_middleware: MiddlewareFactory,
+    make_broker: BrokerFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+) -> None:
+    source = KeptSchedules()
+    retry = SmartRetryMiddleware(
+        default_retry_count=3, default_delay=30, use_jitter=False, schedule_source=source
+    )
+    broker = await make_broker(
+        broker_class=HoldingBroker, middlewares=[make_middleware(default_ttl=60), retry]
+    )
+    attempts = 0
+
+    @broker.task(retry_on_error=True)
+    async def flaky(n: int) -> str:
+        nonlocal attempts
+        attempts += 1
+        if attempts == 1:
+            msg = "first attempt fails"
+            raise RuntimeError(msg)
+        return "done"
+
+    first = await flaky.kiq(n=1)
+    await broker.deliver()  # attempt 1 fails; the retry waits in the schedule source
+    (scheduled,) = source.schedules
+    await dedup_middleware(broker).shutdown()  # sends the extension queued at its end
+    (key,) = await lock_keys(redis_client, prefix)
+    assert 50_000 < await redis_client.pttl(key) <= 60_000  # kept, at full TTL
+    with pytest.raises(DuplicateTaskError) as caught:
+        await flaky.kiq(n=1)
+    assert caught.value.holder_task_id == first.task_id
+
+    # The scheduler fires the retry, with the task_id and labels of attempt 1.
+    await TaskiqScheduler(broker, [source]).on_ready(source, scheduled)
+    assert len(broker.queued) == 1
+    with pytest.raises(DuplicateTaskError):
+        await flaky.kiq(n=1)  # still refused while the retry is queued
+    await broker.deliver()
+    assert attempts == 2
+    assert (await first.wait_result(timeout=5)).return_value == "done"
+    assert await lock_keys(redis_client, prefix) == []
+
+
+async def test_lock_labels_copied_onto_another_task_do_not_carry_its_lock(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task
+    async def child(n: int) -> None: ...
+
+    @broker.task
+    async def parent(context: Context = TaskiqDepends()) -> None:
+        # Some middlewares build the next message from the parent's labels.
+        await child.kicker().with_labels(**context.message.labels).kiq(n=1)
+
+    parent_handle = await parent.kiq()
+    (parent_key,) = await lock_keys(redis_client, prefix)
+    parent_lock = await lock_value(redis_client, parent_key)
+    message = broker.queued.pop(0)
+    await broker.receiver.callback(message=message.message)
+    (queued_child,) = broker.queued
+    (child_key,) = await lock_keys(redis_client, prefix)  # the parent's was released
+    assert child_key != parent_key
+    child_lock = await lock_value(redis_client, child_key)
+    assert child_lock.endswith(queued_child.task_id)
+    assert not child_lock.endswith(parent_handle.task_id)
+    assert parent_lock.endswith(parent_handle.task_id)

@@ -88,12 +88,20 @@ def test_bool_and_int_are_not_confused_by_the_cache() -> None:
 def test_lock_labels_are_read_back_tolerantly() -> None:
     good = {
         "_deduplication_lock_key": "p:k",
-        "_deduplication_lock_token": "abc",
+        "_deduplication_lock_owner": "abc task-1",
         "_deduplication_lock_ttl": "60",
     }
-    assert read_lock_labels(good) == LockLabels(key="p:k", token="abc", ttl=60)  # noqa: S106
-    assert read_lock_labels({}) is None
-    assert read_lock_labels({**good, "_deduplication_lock_ttl": "x"}) is None
-    assert read_lock_labels({**good, "_deduplication_lock_ttl": ["60"]}) is None
-    assert read_lock_labels({**good, "_deduplication_lock_key": ""}) is None
-    assert read_lock_labels({**good, "_deduplication_lock_token": 5}) is None
+    expected = LockLabels(key="p:k", token="abc", ttl=60)  # noqa: S106
+    assert read_lock_labels(good, "task-1") == expected
+    assert read_lock_labels({}, "task-1") is None
+    # Labels copied onto another message name another owner.
+    assert read_lock_labels(good, "task-2") is None
+    for broken in (
+        {"_deduplication_lock_ttl": "x"},
+        {"_deduplication_lock_ttl": ["60"]},
+        {"_deduplication_lock_key": ""},
+        {"_deduplication_lock_owner": 5},
+        {"_deduplication_lock_owner": " task-1"},
+        {"_deduplication_lock_owner": "abc"},
+    ):
+        assert read_lock_labels({**good, **broken}, "task-1") is None

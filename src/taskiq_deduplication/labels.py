@@ -26,9 +26,9 @@ KEY_FIELDS_LABEL = "deduplication_key_fields"
 # Added by the sender to each message it locked; read back by the worker.
 # They travel raw (as strings), like taskiq's own "_retries".
 LOCK_KEY_LABEL = "_deduplication_lock_key"
-LOCK_TOKEN_LABEL = "_deduplication_lock_token"  # noqa: S105 (a label name, not a secret)
+LOCK_OWNER_LABEL = "_deduplication_lock_owner"
 LOCK_TTL_LABEL = "_deduplication_lock_ttl"
-LOCK_LABELS = (LOCK_KEY_LABEL, LOCK_TOKEN_LABEL, LOCK_TTL_LABEL)
+LOCK_LABELS = (LOCK_KEY_LABEL, LOCK_OWNER_LABEL, LOCK_TTL_LABEL)
 
 _TRUE = frozenset({"true", "1", "yes", "on"})
 _FALSE = frozenset({"false", "0", "no", "off"})
@@ -85,20 +85,27 @@ class LockLabels:
     ttl: int
 
 
-def read_lock_labels(labels: Mapping[str, Any]) -> LockLabels | None:
-    """Read the lock a sender recorded on a message, never raising.
+def read_lock_labels(labels: Mapping[str, Any], task_id: str) -> LockLabels | None:
+    """Read the lock a sender recorded on the message ``task_id``, never raising.
 
     Args:
-        labels: The labels of a received message.
+        labels: The labels of a message.
+        task_id: The message's ``task_id``. Labels copied onto another message
+            (a middleware that reuses a parent's labels) name another owner and
+            do not count.
 
     Returns:
-        The lock, or ``None`` when the message carries no (well-formed) lock:
-        sent without deduplication, or by a sender without this middleware.
+        The lock, or ``None`` when the message carries no (well-formed) lock of
+        its own: sent without deduplication, or by a sender without this
+        middleware.
     """
     key = labels.get(LOCK_KEY_LABEL)
-    token = labels.get(LOCK_TOKEN_LABEL)
+    owner = labels.get(LOCK_OWNER_LABEL)
     ttl = labels.get(LOCK_TTL_LABEL)
-    if not (isinstance(key, str) and isinstance(token, str) and key and token):
+    if not (isinstance(key, str) and isinstance(owner, str) and key):
+        return None
+    token, _, owner_task_id = owner.partition(" ")
+    if not token or owner_task_id != task_id:
         return None
     try:
         seconds = _parse_ttl(ttl)
@@ -107,10 +114,10 @@ def read_lock_labels(labels: Mapping[str, Any]) -> LockLabels | None:
     return LockLabels(key=key, token=token, ttl=seconds)
 
 
-def write_lock_labels(labels: dict[str, Any], key: str, token: str, ttl: int) -> None:
-    """Record on a message the lock its sender took."""
+def write_lock_labels(labels: dict[str, Any], key: str, owner: str, ttl: int) -> None:
+    """Record on a message the lock its sender took, ``owner`` being the lock's value."""
     labels[LOCK_KEY_LABEL] = key
-    labels[LOCK_TOKEN_LABEL] = token
+    labels[LOCK_OWNER_LABEL] = owner
     labels[LOCK_TTL_LABEL] = str(ttl)
 
 

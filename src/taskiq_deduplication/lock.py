@@ -62,6 +62,11 @@ class Lock:
     task_id: str
     ttl_ms: int
 
+    @property
+    def value(self) -> str:
+        """The lock's value in Redis: ``"<owner token> <task_id>"``."""
+        return f"{self.token} {self.task_id}"
+
 
 class Reasserted:
     """Outcomes of a re-assert, besides the holder's value when someone else has it."""
@@ -94,20 +99,20 @@ class LockStore:
         """Load the scripts into the server, so the first calls need no fallback."""
         await self._pipeline.load_scripts()
 
-    async def acquire(self, lock: Lock, ttl_ms: int, takeover_task_id: str = "") -> str | None:
+    async def acquire(self, lock: Lock, ttl_ms: int, replaces: str = "") -> str | None:
         """Take ``lock`` for ``ttl_ms`` milliseconds.
 
         Args:
             lock: The lock to take.
             ttl_ms: Its TTL for now (the grace TTL of a send in flight).
-            takeover_task_id: A ``task_id`` whose lock may be replaced by this one
-                (a retry re-sending a running task), or ``""``.
+            replaces: The value of a lock this one may take over (the lock of the
+                attempt a retry re-sends), or ``""``.
 
         Returns:
             ``None`` when the lock is taken, else the value of the current holder.
         """
         reply = await self._pipeline.call(
-            self._acquire, [lock.key], [lock.token, lock.task_id, ttl_ms, takeover_task_id]
+            self._acquire, [lock.key], [lock.token, lock.task_id, ttl_ms, replaces]
         )
         return None if reply is None else text(reply)
 

@@ -27,6 +27,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from taskiq import TaskiqMessage, TaskiqMiddleware, TaskiqResult
+from taskiq.exceptions import NoResultError
 
 from taskiq_deduplication import labels
 from taskiq_deduplication.exceptions import DuplicateTaskError
@@ -53,8 +54,10 @@ GRACE_TTL: Final = 10
 #: Bounds on every Redis call of a client built from ``redis_url`` (seconds);
 #: a URL query such as ``?socket_timeout=1`` overrides them.
 _DEFAULT_TIMEOUTS: Final = {"socket_timeout": 5.0, "socket_connect_timeout": 5.0, "timeout": 5.0}
-# taskiq's own label, counted up by Context.requeue() on the running message.
+# taskiq's own labels, counted up on the running message by Context.requeue()
+# and by the retry middlewares when they send the next attempt.
 _REQUEUE_LABEL: Final = "X-Taskiq-requeue"
+_RETRIES_LABEL: Final = "_retries"
 
 
 @dataclass(eq=False, slots=True)
@@ -64,6 +67,9 @@ class _Execution:
     lock: Lock
     task_name: str
     requeues: object
+    """taskiq's requeue count when the run began."""
+    retries: object
+    """The retry middlewares' attempt count when the run began."""
     beat: Beat | None = None
     owned: bool = True
     ended: bool = False
@@ -224,12 +230,15 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             labels.drop_lock_labels(message.labels)
             return message
         running = self._running_attempt(message.task_id)
-        key = running.lock.key if running is not None else self._lock_key(message, options)
+        # A retry re-sends an earlier attempt: from inside its run, or later (from a
+        # schedule source) with the attempt's lock labels copied onto the message.
+        earlier = running.lock if running is not None else self._lock_of(message)
+        key = earlier.key if earlier is not None else self._lock_key(message, options)
         lock = Lock(key, new_token(), message.task_id, options.ttl * 1000)
         grace_ms = min(GRACE_TTL, options.ttl) * 1000
         try:
             holder = await self._connect().acquire(
-                lock, grace_ms, takeover_task_id=message.task_id if running is not None else ""
+                lock, grace_ms, replaces=earlier.value if earlier is not None else ""
             )
         except REDIS_ERRORS as exc:
             if not self.fail_open:
@@ -259,13 +268,14 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 key,
             )
             raise DuplicateTaskError(message.task_name, key, holder_id)
-        if running is not None:
+        if earlier is not None:
             logger.debug(
                 "Retry of task %s (%s) took over lock %r", message.task_name, message.task_id, key
             )
+        if running is not None:
             running.superseded = True
             self._stop_heartbeat(running)
-        labels.write_lock_labels(message.labels, key, lock.token, options.ttl)
+        labels.write_lock_labels(message.labels, key, lock.value, options.ttl)
         return message
 
     async def post_send(self, message: TaskiqMessage) -> None:
@@ -286,7 +296,12 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         lock = self._lock_of(message)
         if lock is None:
             return message
-        execution = _Execution(lock, message.task_name, message.labels.get(_REQUEUE_LABEL))
+        execution = _Execution(
+            lock,
+            message.task_name,
+            message.labels.get(_REQUEUE_LABEL),
+            message.labels.get(_RETRIES_LABEL),
+        )
         self._begin(execution)
         try:
             (reply,) = await self._connect().reassert([lock])
@@ -332,11 +347,14 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         if execution is not None and execution.lock.task_id == message.task_id:
             self._stop_heartbeat(execution)
 
-    async def post_execute(self, message: TaskiqMessage, result: TaskiqResult[Any]) -> None:  # noqa: ARG002
+    async def post_execute(self, message: TaskiqMessage, result: TaskiqResult[Any]) -> None:
         """Release the lock once the run has ended, successful or not.
 
         A run whose lock a retry took over leaves it to the retry. A run that
-        requeued itself (``Context.requeue``) keeps it for the next delivery.
+        passed itself on to a later delivery keeps its lock for it, at full TTL:
+        one that requeued itself (``Context.requeue``), or whose retry was left
+        to a schedule source (the retry middleware counted the attempt and
+        dropped this run's result, but no send passed through here).
         """
         execution = self._execution.get()
         if execution is None or execution.lock.task_id != message.task_id:
@@ -345,7 +363,11 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         if execution.superseded or not execution.owned:
             return
         lock = execution.lock
-        if message.labels.get(_REQUEUE_LABEL) != execution.requeues:
+        requeued = message.labels.get(_REQUEUE_LABEL) != execution.requeues
+        retry_scheduled = message.labels.get(_RETRIES_LABEL) != execution.retries and isinstance(
+            result.error, NoResultError
+        )
+        if requeued or retry_scheduled:
             self._connect().extend_detached(lock)
             return
         try:
@@ -398,7 +420,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         return None
 
     def _lock_of(self, message: TaskiqMessage) -> Lock | None:
-        recorded = labels.read_lock_labels(message.labels)
+        recorded = labels.read_lock_labels(message.labels, message.task_id)
         if recorded is None:
             return None
         return Lock(recorded.key, recorded.token, message.task_id, recorded.ttl * 1000)
