@@ -116,17 +116,19 @@ class LockStore:
         )
         return None if reply is None else text(reply)
 
-    def extend_detached(self, lock: Lock) -> None:
-        """Give ``lock`` its full TTL if still owned, without waiting for the reply."""
-        self._pipeline.call_detached(
+    async def extend_detached(self, lock: Lock) -> None:
+        """Give ``lock`` its full TTL if still owned, without waiting for the reply.
+
+        The command is on its way to Redis when this returns (when the pipeline
+        is idle), so it is not lost if the process ends right after a ``kiq``.
+        """
+        await self._pipeline.send_ahead(
             self._extend, [lock.key], [lock.token, lock.ttl_ms], f"extend lock {lock.key!r}"
         )
 
     def release_detached(self, lock: Lock) -> None:
-        """Release ``lock`` if still owned, without waiting for the reply."""
-        self._pipeline.call_detached(
-            self._release, [lock.key], [lock.token], f"release lock {lock.key!r}"
-        )
+        """Release ``lock`` if still owned, soon, without waiting for the reply."""
+        self._pipeline.queue(self._release, [lock.key], [lock.token], f"release lock {lock.key!r}")
 
     async def release(self, lock: Lock) -> bool:
         """Release ``lock`` if still owned; return whether it was."""

@@ -287,7 +287,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         """
         lock = self._lock_of(message)
         if lock is not None and lock.ttl_ms > GRACE_TTL * 1000:
-            self._connect().extend_detached(lock)
+            await self._connect().extend_detached(lock)
 
     # Run
 
@@ -368,7 +368,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             result.error, NoResultError
         )
         if requeued or retry_scheduled:
-            self._connect().extend_detached(lock)
+            await self._connect().extend_detached(lock)
             return
         try:
             await self._connect().release(lock)

@@ -44,10 +44,13 @@ class Pipeline:
     """Sends script calls in order, batching those issued in the same instant.
 
     One batch is on the wire at a time. A caller that finds the pipeline idle
-    sends its call at once, from its own task, together with anything queued
-    (a lock extension left by the previous ``kiq``). Calls made while a batch is
-    in flight wait for it and then go out together in the next one, sent by a
-    background task; so does a call nobody waits for.
+    sends its call at once, from its own task, together with anything queued.
+    Calls made while a batch is in flight wait for it and then go out together
+    in the next one, sent by a background task.
+
+    A call nobody waits for (the lock extension after a send) is written to the
+    connection at once when the pipeline is idle, so it reaches Redis even if the
+    process ends right after ``kiq``; its reply is read with the next batch.
     """
 
     def __init__(self, client: Redis | RedisCluster, scripts: Sequence[AsyncScript]) -> None:
@@ -57,6 +60,7 @@ class Pipeline:
             _ClusterTransport(client) if isinstance(client, RedisCluster) else _Connection(client)
         )
         self._queue: deque[_Call] = deque()
+        self._written: list[_Call] = []  # sent ahead; their replies are still to be read
         self._busy = False
         self._sender: asyncio.Task[None] | None = None
 
@@ -70,19 +74,43 @@ class Pipeline:
             await self._send_batch(future)
         return await future
 
-    def call_detached(
+    def queue(
         self, script: AsyncScript, keys: Sequence[str], args: Sequence[str | int], what: str
     ) -> None:
         """Queue a script call nobody waits for; a failure is logged as ``what``."""
         self._queue.append(_Call(script, keys, args, None, what))
-        # Not now: a call made in this loop iteration (the next kiq) may carry it.
+        asyncio.get_running_loop().call_soon(self._send_backlog)
+
+    async def send_ahead(
+        self, script: AsyncScript, keys: Sequence[str], args: Sequence[str | int], what: str
+    ) -> None:
+        """Put a call nobody waits for on the wire now if the pipeline is idle.
+
+        A failure is logged as ``what``.
+        """
+        self._queue.append(_Call(script, keys, args, None, what))
+        if not self._busy and self._transport.writes_ahead:
+            self._busy = True
+            calls = list(self._queue)
+            self._queue.clear()
+            try:
+                await self._transport.write([_evalsha(call) for call in calls])
+            except BaseException:
+                self._queue.extendleft(reversed(calls))  # they go the ordinary way
+                raise
+            else:
+                self._written += calls
+            finally:
+                self._busy = False
+        # Read the replies (or send what is queued) soon, unless the next call,
+        # often made in this very loop iteration, does it on its way.
         asyncio.get_running_loop().call_soon(self._send_backlog)
 
     async def drain(self) -> None:
-        """Wait until every queued call has been sent and answered."""
-        while self._queue or self._busy:
+        """Wait until every call has been sent and its reply read."""
+        while self._queue or self._written or self._busy:
             self._send_backlog()
-            if self._sender is not None:
+            if self._sender is not None and not self._sender.done():
                 await asyncio.shield(self._sender)
             else:  # a caller is sending its own batch
                 await asyncio.sleep(0)
@@ -95,7 +123,16 @@ class Pipeline:
             await self._transport.close()
 
     async def load_scripts(self) -> None:
-        """Load every script into the server (again, after it lost them)."""
+        """Load every script into the server, as the first thing sent."""
+        await self.drain()
+        self._busy = True
+        try:
+            await self._load_scripts()
+        finally:
+            self._busy = False
+            self._send_backlog()
+
+    async def _load_scripts(self) -> None:
         replies = await self._transport.execute(
             [("SCRIPT", "LOAD", s.script) for s in self.scripts]
         )
@@ -105,42 +142,48 @@ class Pipeline:
             script.sha = text(sha)
 
     def _send_backlog(self) -> None:
-        if self._queue and not self._busy and (self._sender is None or self._sender.done()):
+        idle = not self._busy and (self._sender is None or self._sender.done())
+        if idle and (self._queue or self._written):
             self._sender = asyncio.get_running_loop().create_task(self._send_all())
 
     async def _send_all(self) -> None:
-        while self._queue and not self._busy:
+        while (self._queue or self._written) and not self._busy:
             await self._send_batch(None)
 
     async def _send_batch(self, mine: asyncio.Future[Any] | None) -> None:
         self._busy = True
+        written, self._written = self._written, []
         count = min(len(self._queue), _MAX_BATCH)
         batch = [self._queue.popleft() for _ in range(count)]
         try:
-            replies = await self._send(batch)
+            replies = await self._send(written, batch)
         except asyncio.CancelledError:
             # The sending task was cancelled mid-send; the other callers were not.
             if mine is not None:
                 mine.cancel()
             interrupted = RedisConnectionError("the batch was interrupted by a cancellation")
-            _settle(batch, [interrupted] * len(batch))
+            _settle(written + batch, [interrupted] * (len(written) + len(batch)))
             raise
         except Exception as exc:  # noqa: BLE001 (handed to each caller)
-            replies = [exc] * len(batch)
+            replies = [exc] * (len(written) + len(batch))
         finally:
             self._busy = False
             self._send_backlog()
-        _settle(batch, replies)
+        _settle(written + batch, replies)
 
-    async def _send(self, batch: list[_Call]) -> list[Any]:
-        replies = await self._transport.execute([_evalsha(call) for call in batch])
+    async def _send(self, written: list[_Call], batch: list[_Call]) -> list[Any]:
+        """Send ``batch``; return the replies to ``written`` and then to ``batch``."""
+        replies = await self._transport.execute(
+            [_evalsha(call) for call in batch], written=[_evalsha(call) for call in written]
+        )
+        calls = written + batch
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
             # The server lost its script cache (a restart or a failover). A call
             # that failed this way did not run, so running it now is safe; all of
             # our scripts go missing together, so the order of a batch holds.
-            await self.load_scripts()
-            retried = await self._transport.execute([_evalsha(batch[i]) for i in missing])
+            await self._load_scripts()
+            retried = await self._transport.execute([_evalsha(calls[i]) for i in missing])
             for i, reply in zip(missing, retried, strict=True):
                 replies[i] = reply
         return replies
@@ -154,8 +197,20 @@ def _evalsha(call: _Call) -> Command:
 
 
 class _Transport(Protocol):
-    async def execute(self, commands: list[Command]) -> list[Any]:
-        """Send the commands in one round trip; error replies come back as exceptions."""
+    writes_ahead: bool
+    """Whether ``write`` can put commands on the wire before their replies are read."""
+
+    async def write(self, commands: list[Command]) -> None:
+        """Send the commands now; :meth:`execute` reads their replies later."""
+
+    async def execute(
+        self, commands: list[Command], *, written: Sequence[Command] = ()
+    ) -> list[Any]:
+        """Send ``commands`` in one round trip and read the replies.
+
+        Returns the replies to ``written`` (sent earlier with ``write``), then
+        those to ``commands``. Error replies come back as exceptions.
+        """
 
     async def close(self) -> None:
         """Release what the transport holds."""
@@ -169,32 +224,52 @@ class _Connection:
     no batch pays for taking a connection from the pool and giving it back.
     """
 
+    writes_ahead = True
+
     def __init__(self, client: Redis) -> None:
         self._pool = client.connection_pool
         self._held: AbstractConnection | None = None
 
-    async def execute(self, commands: list[Command]) -> list[Any]:
-        try:
-            return await self._execute(commands)
-        except RedisConnectionError:
-            # A connection that broke while idle (a restarted server) fails on
-            # first use: reconnect once. Every lock script is idempotent for its
-            # owner, so a batch that may have run already can safely run again.
-            return await self._execute(commands)
-
-    async def _execute(self, commands: list[Command]) -> list[Any]:
-        connection = self._held
-        if connection is None:
-            connection = self._held = await self._pool.get_connection()  # type: ignore[no-untyped-call]
+    async def write(self, commands: list[Command]) -> None:
+        connection = await self._connection()
         try:
             await connection.send_packed_command(connection.pack_commands(commands), False)  # noqa: FBT003 (redis-py's check_health)
-            return [await _read_reply(connection) for _ in commands]
         except BaseException:
-            # Unread replies would answer the next batch: start over on a new one.
-            self._held = None
-            await connection.disconnect()
-            await self._pool.release(connection)
+            await self._drop(connection)
             raise
+
+    async def execute(
+        self, commands: list[Command], *, written: Sequence[Command] = ()
+    ) -> list[Any]:
+        try:
+            return await self._execute(commands, unread=len(written))
+        except RedisConnectionError:
+            # A connection that broke while idle (a restarted server) fails on
+            # first use: reconnect once and send everything again, the calls
+            # written ahead too. Every lock script is idempotent for its owner,
+            # so a call that may have run already can safely run again.
+            return await self._execute([*written, *commands], unread=0)
+
+    async def _execute(self, commands: list[Command], unread: int) -> list[Any]:
+        connection = await self._connection()
+        try:
+            if commands:
+                await connection.send_packed_command(connection.pack_commands(commands), False)  # noqa: FBT003 (redis-py's check_health)
+            return [await _read_reply(connection) for _ in range(unread + len(commands))]
+        except BaseException:
+            await self._drop(connection)
+            raise
+
+    async def _connection(self) -> AbstractConnection:
+        if self._held is None:
+            self._held = await self._pool.get_connection()  # type: ignore[no-untyped-call]
+        return self._held
+
+    async def _drop(self, connection: AbstractConnection) -> None:
+        # Unread replies would answer the next batch: start over on a new one.
+        self._held = None
+        await connection.disconnect()
+        await self._pool.release(connection)
 
     async def close(self) -> None:
         if self._held is not None:
@@ -212,10 +287,18 @@ async def _read_reply(connection: AbstractConnection) -> Any:  # noqa: ANN401 (a
 class _ClusterTransport:
     """A ``RedisCluster`` client's pipeline, which sends each key to its node."""
 
+    writes_ahead = False
+
     def __init__(self, client: RedisCluster) -> None:
         self._client = client
 
-    async def execute(self, commands: list[Command]) -> list[Any]:
+    async def write(self, commands: list[Command]) -> None:
+        raise NotImplementedError
+
+    async def execute(
+        self, commands: list[Command], *, written: Sequence[Command] = ()
+    ) -> list[Any]:
+        assert not written, "a cluster pipeline cannot write ahead"  # noqa: S101
         if commands and commands[0][:2] == ("SCRIPT", "LOAD"):
             return [await self._client.script_load(command[2]) for command in commands]
         pipe = self._client.pipeline(transaction=False)
