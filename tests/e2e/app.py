@@ -1,0 +1,361 @@
+"""The application the end-to-end tests run: a broker, its tasks, a scheduler.
+
+The same code runs in every process of a test: the test itself (the client),
+``taskiq worker tests.e2e.app:worker_broker``, ``taskiq scheduler
+tests.e2e.app:scheduler`` and the client processes of ``tests.e2e.client``.
+Each builds its broker from one :class:`Config`, which the test hands to the
+other processes as JSON in the ``DEDUP_E2E_CONFIG`` environment variable, so
+they all agree on the broker, its queue names and the key prefix.
+
+Every task reports what it does to Redis, under the test's prefix: how often it
+ran, which process ran it, when it started. Tasks that must stay running until
+the test says so wait on a *gate*, a Redis list that the test pushes one token
+to per run it lets finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio
+from taskiq import (
+    AsyncBroker,
+    AsyncTaskiqDecoratedTask,
+    Context,
+    ScheduleSource,
+    SimpleRetryMiddleware,
+    SmartRetryMiddleware,
+    TaskiqDepends,
+    TaskiqMiddleware,
+    TaskiqScheduler,
+)
+from taskiq.schedule_sources import LabelScheduleSource
+from taskiq_redis import (
+    ListQueueBroker,
+    ListRedisScheduleSource,
+    RedisAsyncResultBackend,
+    RedisStreamBroker,
+)
+
+from taskiq_deduplication import RedisDeduplicationMiddleware
+
+CONFIG_ENV = "DEDUP_E2E_CONFIG"
+
+BROKERS = ("redis-list", "redis-stream", "rabbitmq", "nats")
+RETRIES = ("", "smart-first", "smart-last", "simple-first", "simple-last", "smart-source-first")
+"""Retry setups: which retry middleware, and whether deduplication comes first.
+
+``smart-source`` is ``SmartRetryMiddleware`` with a schedule source: the worker
+puts the retry in the source, and ``taskiq scheduler`` sends it when it is due.
+"""
+SCHEDULES = ("", "random-id", "fixed-id")
+
+#: How long a gated task waits for its token before it gives up (and fails).
+GATE_TIMEOUT = 45
+#: How long the scheduled task runs.
+SCHEDULED_RUN_SECONDS = 3.0
+#: The task_id of every send of the "fixed-id" schedule.
+FIXED_TASK_ID = "e2e-scheduled-fixed-id"
+#: Retry middlewares retry a task this many times in total (attempts, not retries).
+MAX_ATTEMPTS = 3
+#: The ``deduplication_ttl`` label of the short-TTL tasks; the default TTL is longer.
+SHORT_TTL = 3
+#: The ``deduplication_key`` label of ``hold_explicit_key``.
+EXPLICIT_KEY = "e2e-explicit"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything the processes of one test must agree on."""
+
+    broker: str
+    redis_url: str
+    prefix: str
+    """Prefix of every Redis key of the test: locks, queues, results, reports."""
+    name: str
+    """Name of the test's queue, exchange, stream and subject on RabbitMQ and NATS."""
+    amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
+    nats_url: str = "nats://127.0.0.1:4222"
+    default_ttl: int = 30
+    heartbeat_interval: float | None = 0.5
+    retry: str = ""
+    schedule: str = ""
+
+    def __post_init__(self) -> None:
+        """Refuse a setup the app does not know."""
+        if self.broker not in BROKERS:
+            msg = f"unknown broker {self.broker!r}, expected one of {BROKERS}"
+            raise ValueError(msg)
+        if self.retry not in RETRIES:
+            msg = f"unknown retry setup {self.retry!r}, expected one of {RETRIES}"
+            raise ValueError(msg)
+        if self.schedule not in SCHEDULES:
+            msg = f"unknown schedule {self.schedule!r}, expected one of {SCHEDULES}"
+            raise ValueError(msg)
+
+    @property
+    def lock_prefix(self) -> str:
+        """The ``key_prefix`` of the deduplication middleware."""
+        return f"{self.prefix}:lock"
+
+    def key(self, *parts: object) -> str:
+        """A Redis key of this test's reports, e.g. ``key("runs", "a")``."""
+        return ":".join([self.prefix, "data", *map(str, parts)])
+
+    def replace(self, **changes: Any) -> Config:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> str:
+        """Serialise for :data:`CONFIG_ENV`."""
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_env(cls) -> Config:
+        """The configuration the test handed to this process."""
+        return cls(**json.loads(os.environ[CONFIG_ENV]))
+
+
+class Reports:
+    """This process's connection to Redis for the tasks' reports, made on first use."""
+
+    def __init__(self, config: Config) -> None:
+        """Remember where to connect; nothing connects yet."""
+        self.config = config
+        self._client: redis.asyncio.Redis | None = None
+
+    @property
+    def redis(self) -> redis.asyncio.Redis:
+        """The client, created in the running event loop."""
+        if self._client is None:
+            # Each task waiting at its gate holds a connection, for longer than
+            # redis-py's default socket timeout (5 s); its default pool would
+            # refuse the 101st connection instead of waiting for one.
+            pool = redis.asyncio.BlockingConnectionPool.from_url(
+                self.config.redis_url,
+                decode_responses=True,
+                max_connections=2000,
+                timeout=None,
+                socket_timeout=GATE_TIMEOUT + 10,
+            )
+            self._client = redis.asyncio.Redis.from_pool(pool)
+        return self._client
+
+    async def started(self, kind: str, tag: str, context: Context) -> int:
+        """Count a run of ``tag`` and say who runs it; return the run's number."""
+        run = int(await self.redis.incr(self.config.key("runs", tag)))
+        report = {
+            "task": kind,
+            "run": run,
+            "pid": os.getpid(),
+            "task_id": context.message.task_id,
+            "at": time.time(),
+        }
+        await self.redis.rpush(self.config.key("started", tag), json.dumps(report))
+        return run
+
+    async def pass_gate(self, tag: str) -> None:
+        """Wait for the test to let this run of ``tag`` finish."""
+        token = await self.redis.blpop([self.config.key("gate", tag)], timeout=GATE_TIMEOUT)
+        if token is None:
+            msg = f"the gate of {tag!r} was not opened within {GATE_TIMEOUT}s"
+            raise TimeoutError(msg)
+
+
+@dataclass(frozen=True)
+class Tasks:
+    """The tasks of the app, as registered on one broker."""
+
+    hold: AsyncTaskiqDecoratedTask[..., Any]
+    """Runs until its gate opens. Deduplicated with the middleware's defaults."""
+    hold_short_ttl: AsyncTaskiqDecoratedTask[..., Any]
+    """``hold`` with ``deduplication_ttl=SHORT_TTL`` (3 s) on the decorator."""
+    hold_opt_out: AsyncTaskiqDecoratedTask[..., Any]
+    """``hold`` with ``deduplication=False`` on the decorator."""
+    hold_key_fields: AsyncTaskiqDecoratedTask[..., Any]
+    """``hold`` with ``deduplication_key_fields=["user_id"]`` on the decorator."""
+    hold_explicit_key: AsyncTaskiqDecoratedTask[..., Any]
+    """``hold`` with ``deduplication_key="e2e-explicit"`` on the decorator."""
+    flaky: AsyncTaskiqDecoratedTask[..., Any]
+    """Fails its first ``failures`` runs, each once its gate opens; retried."""
+    count: AsyncTaskiqDecoratedTask[..., Any]
+    """Counts its run under its argument and returns at once."""
+    scheduled: AsyncTaskiqDecoratedTask[..., Any] | None
+    """Scheduled every second, runs three seconds; ``None`` without a schedule."""
+
+
+def register_tasks(broker: AsyncBroker, config: Config) -> Tasks:
+    """Register the app's tasks on ``broker``."""
+    reports = Reports(config)
+
+    async def hold(
+        tag: str,
+        user_id: int = 0,  # a key field of the key-field tasks
+        locale: str = "",
+        context: Context = TaskiqDepends(),
+    ) -> dict[str, Any]:
+        run = await reports.started("hold", tag, context)
+        await reports.pass_gate(tag)
+        return {"tag": tag, "run": run, "pid": os.getpid()}
+
+    async def flaky(tag: str, failures: int, context: Context = TaskiqDepends()) -> str:
+        run = await reports.started("flaky", tag, context)
+        await reports.pass_gate(tag)
+        if run <= failures:
+            msg = f"run {run} of {tag!r} fails on purpose"
+            raise RuntimeError(msg)
+        return f"{tag} succeeded on run {run}"
+
+    async def count(n: int) -> int:
+        await reports.redis.hincrby(config.key("count"), str(n), 1)
+        return n
+
+    retry_labels = {"retry_on_error": True, "max_retries": MAX_ATTEMPTS}
+    return Tasks(
+        hold=broker.task("e2e.hold")(hold),
+        hold_short_ttl=broker.task("e2e.hold_short_ttl", deduplication_ttl=SHORT_TTL)(hold),
+        hold_opt_out=broker.task("e2e.hold_opt_out", deduplication=False)(hold),
+        hold_key_fields=broker.task("e2e.hold_key_fields", deduplication_key_fields=["user_id"])(
+            hold
+        ),
+        hold_explicit_key=broker.task("e2e.hold_explicit_key", deduplication_key=EXPLICIT_KEY)(
+            hold
+        ),
+        flaky=broker.task("e2e.flaky", **retry_labels)(flaky),
+        count=broker.task("e2e.count")(count),
+        scheduled=_register_scheduled(broker, config, reports),
+    )
+
+
+def _register_scheduled(
+    broker: AsyncBroker, config: Config, reports: Reports
+) -> AsyncTaskiqDecoratedTask[..., Any] | None:
+    if not config.schedule:
+        return None
+
+    async def scheduled(context: Context = TaskiqDepends()) -> None:
+        r = reports.redis
+        running = int(await r.incr(config.key("running")))
+        try:
+            if running > 1:
+                await r.incr(config.key("overlaps"))
+            await reports.started("scheduled", "scheduled", context)
+            await asyncio.sleep(SCHEDULED_RUN_SECONDS)
+        finally:
+            await r.decr(config.key("running"))
+        await r.incr(config.key("finished"))
+
+    schedule: dict[str, Any] = {"interval": 1, "schedule_id": "every-second"}
+    if config.schedule == "fixed-id":
+        schedule["task_id"] = FIXED_TASK_ID
+    return broker.task("e2e.scheduled", schedule=[schedule])(scheduled)
+
+
+class TaskIdLabelScheduleSource(LabelScheduleSource):
+    """``LabelScheduleSource`` that also honours a ``task_id`` in a schedule label.
+
+    taskiq 0.13's ``LabelScheduleSource`` drops the ``task_id`` key of a schedule,
+    although ``ScheduledTask`` and the scheduler support one; this puts it back.
+    """
+
+    async def startup(self) -> None:
+        """Collect the schedules, then give each the ``task_id`` its label names."""
+        await super().startup()
+        for task in self.broker.get_all_tasks().values():
+            for schedule in task.labels.get("schedule", []):
+                scheduled = self.schedules.get(schedule.get("schedule_id", ""))
+                if scheduled is not None and "task_id" in schedule:
+                    scheduled.task_id = schedule["task_id"]
+
+
+def build_broker(config: Config) -> tuple[AsyncBroker, Tasks]:
+    """The broker of ``config`` with its middlewares, result backend and tasks."""
+    broker = _make_broker(config).with_result_backend(
+        RedisAsyncResultBackend(
+            config.redis_url, prefix_str=f"{config.prefix}:result", result_ex_time=300
+        )
+    )
+    dedup = RedisDeduplicationMiddleware(
+        redis_url=config.redis_url,
+        default_ttl=config.default_ttl,
+        key_prefix=config.lock_prefix,
+        heartbeat_interval=config.heartbeat_interval,
+        startup_retries=1,
+    )
+    middlewares: list[TaskiqMiddleware] = [dedup]
+    if config.retry:
+        kind, position = config.retry.rsplit("-", 1)
+        retry: TaskiqMiddleware
+        if kind == "smart":
+            retry = SmartRetryMiddleware(default_retry_count=MAX_ATTEMPTS, default_delay=0.2)
+        elif kind == "smart-source":
+            retry = SmartRetryMiddleware(
+                default_retry_count=MAX_ATTEMPTS,
+                default_delay=1,
+                schedule_source=_retry_source(config),
+            )
+        else:
+            retry = SimpleRetryMiddleware(default_retry_count=MAX_ATTEMPTS)
+        middlewares = [dedup, retry] if position == "first" else [retry, dedup]
+    broker.with_middlewares(*middlewares)
+    return broker, register_tasks(broker, config)
+
+
+def _retry_source(config: Config) -> ListRedisScheduleSource:
+    return ListRedisScheduleSource(config.redis_url, prefix=f"{config.prefix}:schedule")
+
+
+def _make_broker(config: Config) -> AsyncBroker:
+    if config.broker == "redis-list":
+        return ListQueueBroker(config.redis_url, queue_name=f"{config.prefix}:queue")
+    if config.broker == "redis-stream":
+        return RedisStreamBroker(
+            config.redis_url,
+            queue_name=f"{config.prefix}:stream",
+            consumer_group_name=config.name,
+            xread_block=500,
+        )
+    if config.broker == "rabbitmq":
+        from taskiq_aio_pika import AioPikaBroker  # noqa: PLC0415 (only where it runs)
+        from taskiq_aio_pika.exchange import Exchange  # noqa: PLC0415
+        from taskiq_aio_pika.queue import Queue, QueueType  # noqa: PLC0415
+
+        return AioPikaBroker(
+            config.amqp_url,
+            exchange=Exchange(name=config.name),
+            task_queues=[Queue(name=config.name, type=QueueType.CLASSIC)],
+            dead_letter_queue=Queue(name=f"{config.name}.dead", type=QueueType.CLASSIC),
+            # SmartRetryMiddleware sends retries with a "delay" label.
+            delay_queue=Queue(name=f"{config.name}.delay", type=QueueType.CLASSIC),
+        )
+    from taskiq_nats import PullBasedJetStreamBroker  # noqa: PLC0415
+
+    return PullBasedJetStreamBroker(
+        config.nats_url,
+        subject=config.name,
+        stream_name=config.name,
+        durable=config.name,
+        pull_consume_timeout=0.5,
+    )
+
+
+def worker_broker() -> AsyncBroker:
+    """The broker for ``taskiq worker``, configured from the environment."""
+    broker, _ = build_broker(Config.from_env())
+    return broker
+
+
+def scheduler() -> TaskiqScheduler:
+    """The scheduler for ``taskiq scheduler``, configured from the environment."""
+    config = Config.from_env()
+    broker, _ = build_broker(config)
+    sources: list[ScheduleSource] = [TaskIdLabelScheduleSource(broker)]
+    if config.retry.startswith("smart-source"):
+        sources.append(_retry_source(config))
+    return TaskiqScheduler(broker, sources)

@@ -1,0 +1,133 @@
+"""Workers that die mid-task: SIGKILL (a crash) and SIGTERM (a stop).
+
+A crashed worker cannot release its lock: the lock stays held at first, nothing
+refreshes it any more, and it expires on its TTL, after which the task can be
+sent again. A broker that redelivers the crashed worker's message (RabbitMQ)
+runs it again under the same lock. A stopped worker lets a running task finish
+and release its lock, or, past ``--wait-tasks-timeout``, leaves the lock to
+expire on its TTL; either way nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from tests.e2e.conftest import Launch, is_alive
+
+TTL = 3
+HEARTBEAT = 1.0
+
+
+@pytest.mark.parametrize("broker", ["redis-list", "redis-stream", "nats"])
+async def test_killed_worker_leaves_a_lock_that_expires_on_its_ttl(
+    launch: Launch, broker: str
+) -> None:
+    app = await launch(broker=broker, default_ttl=TTL, heartbeat_interval=HEARTBEAT)
+    handle = await app.tasks.hold.kiq(tag="k")
+    app.start_worker()
+    [run] = await app.wait_started("k")
+    key = await app.lock_of(handle.task_id)
+    assert key is not None
+
+    os.kill(run["pid"], signal.SIGKILL)
+
+    async def dead() -> bool:
+        return not is_alive(run["pid"])
+
+    await app.wait_until(dead, "the worker process to die")
+    assert (await app.holders()).get(key) == handle.task_id
+    await app.assert_duplicate(app.tasks.hold, handle.task_id, tag="k")
+    # Its last heartbeat gave it at most TTL seconds (so it is gone within TTL +
+    # one interval of the kill), and nothing refreshes it any more.
+    await app.watch_expire(key, TTL)
+
+    again = await app.tasks.hold.kiq(tag="k")
+    await app.open_gate("k")
+    assert (await again.wait_result(timeout=20)).return_value["run"] == 2
+    assert await app.locks() == {}
+
+
+async def test_killed_worker_on_rabbitmq_is_redelivered_under_the_same_lock(
+    launch: Launch,
+) -> None:
+    app = await launch(broker="rabbitmq", default_ttl=TTL, heartbeat_interval=HEARTBEAT)
+    handle = await app.tasks.hold.kiq(tag="k")
+    app.start_worker()
+    [first] = await app.wait_started("k")
+    key = await app.lock_of(handle.task_id)
+    assert key is not None
+
+    os.kill(first["pid"], signal.SIGKILL)
+    second = (await app.wait_started("k", runs=2))[1]
+    assert second["task_id"] == handle.task_id
+    assert second["pid"] != first["pid"]
+    await app.wait_refreshed(key, TTL)  # the new run keeps the lock alive
+    assert (await app.holders()).get(key) == handle.task_id
+    await app.assert_duplicate(app.tasks.hold, handle.task_id, tag="k")
+
+    await app.open_gate("k")
+    assert (await handle.wait_result(timeout=20)).return_value["run"] == 2
+    assert await app.locks() == {}
+
+
+@pytest.mark.parametrize("broker", ["redis-list", "rabbitmq", "nats"])
+async def test_stopped_worker_finishes_the_running_task_then_releases_its_lock(
+    launch: Launch, broker: str
+) -> None:
+    app = await launch(broker=broker, default_ttl=TTL, heartbeat_interval=HEARTBEAT)
+    handle = await app.tasks.hold.kiq(tag="t")
+    worker = app.start_worker()
+    await app.wait_started("t")
+    key = await app.lock_of(handle.task_id)
+    assert key is not None
+
+    os.kill(worker.pid, signal.SIGTERM)
+
+    async def told_to_stop() -> bool:
+        return worker.log().count("Stopped process worker-") == 2
+
+    await app.wait_until(told_to_stop, "the worker processes to be told to stop")
+    # Shutting down, the worker still runs the task and keeps its lock alive.
+    await app.wait_refreshed(key, TTL)
+    await app.assert_duplicate(app.tasks.hold, handle.task_id, tag="t")
+
+    await app.open_gate("t")
+    assert worker.wait(timeout=30) == 0, worker.log()
+    assert worker.children() == []
+    assert not (await handle.wait_result(timeout=5)).is_err
+    assert await app.locks() == {}
+    assert "Traceback" not in worker.log()
+
+
+async def test_stopped_worker_that_gives_up_on_a_task_leaves_its_lock_to_expire(
+    launch: Launch,
+) -> None:
+    ttl = TTL + 1  # time to see the lock once the worker process is gone
+    app = await launch(broker="redis-list", default_ttl=ttl, heartbeat_interval=HEARTBEAT)
+    handle = await app.tasks.hold.kiq(tag="t")
+    worker = app.start_worker("--wait-tasks-timeout", "0.5")
+    [run] = await app.wait_started("t")
+    key = await app.lock_of(handle.task_id)
+    assert key is not None
+
+    os.kill(worker.pid, signal.SIGTERM)
+
+    async def gone() -> bool:
+        return not is_alive(run["pid"])
+
+    await app.wait_until(gone, "the worker process that ran the task to exit")
+    # The task never ended, so its lock was not released; but nothing keeps it
+    # alive any more, and it expires on its TTL.
+    assert (await app.holders()).get(key) == handle.task_id
+    await app.watch_expire(key, ttl)
+    assert worker.wait(timeout=30) == 0, worker.log()
+    assert worker.children() == []
+
+    app.start_worker()
+    again = await app.tasks.hold.kiq(tag="t")
+    await app.open_gate("t")
+    assert (await again.wait_result(timeout=20)).return_value["run"] == 2
+    assert await app.locks() == {}
