@@ -30,6 +30,10 @@ LOCK_OWNER_LABEL = "_deduplication_lock_owner"
 LOCK_TTL_LABEL = "_deduplication_lock_ttl"
 LOCK_LABELS = (LOCK_KEY_LABEL, LOCK_OWNER_LABEL, LOCK_TTL_LABEL)
 
+#: The longest lock TTL, in seconds (ten years): far beyond any task, and well
+#: inside what Redis can store as an expiry in milliseconds.
+MAX_TTL = 10 * 365 * 24 * 3600
+
 _TRUE = frozenset({"true", "1", "yes", "on"})
 _FALSE = frozenset({"false", "0", "no", "off"})
 
@@ -161,8 +165,8 @@ def _parse_ttl(value: object) -> int:
     else:
         msg = "expected a whole number of seconds"
         raise ValueError(msg)
-    if seconds < 1:
-        msg = "the TTL must be at least 1 second"
+    if not 1 <= seconds <= MAX_TTL:
+        msg = f"the TTL must be from 1 to {MAX_TTL} seconds (ten years)"
         raise ValueError(msg)
     return seconds
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Final
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 
-from taskiq_deduplication.pipeline import Pipeline, text
+from taskiq_deduplication.pipeline import Pipeline, ScriptCall, text
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -142,15 +142,15 @@ class LockStore:
             or the value of the lock another send holds now.
         """
         step = self._keys_per_reassert
-        calls = []
+        calls: list[ScriptCall] = []
         for start in range(0, len(locks), step):
             chunk = locks[start : start + step]
             args: list[str | int] = []
             for lock in chunk:
                 args += (lock.token, lock.task_id, lock.ttl_ms)
-            calls.append(self._pipeline.call(self._reassert, [lk.key for lk in chunk], args))
-        # One call (a task starting) needs no gather; a heartbeat tick may have several.
-        replies = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
+            calls.append((self._reassert, [lk.key for lk in chunk], args))
+        # All chunks go in one batch: a heartbeat tick is one round trip.
+        replies = await self._pipeline.call_many(calls)
         return [r if isinstance(r, int) else text(r) for reply in replies for r in reply]
 
     async def drain(self) -> None:

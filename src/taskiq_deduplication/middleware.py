@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -26,6 +27,7 @@ from redis.asyncio.connection import parse_url
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from taskiq import TaskiqMessage, TaskiqMiddleware, TaskiqResult
 from taskiq.exceptions import NoResultError
 
@@ -33,6 +35,7 @@ from taskiq_deduplication import labels
 from taskiq_deduplication.exceptions import DuplicateTaskError
 from taskiq_deduplication.fingerprint import call_fingerprint, fields_fingerprint
 from taskiq_deduplication.heartbeat import Beat, Heartbeat
+from taskiq_deduplication.labels import MAX_TTL
 from taskiq_deduplication.lock import (
     REDIS_ERRORS,
     Lock,
@@ -141,7 +144,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         self._client = client
         self._owns_client = client is None
         self.default_deduplication = _check_bool("default_deduplication", default_deduplication)
-        self.default_ttl = _check_int("default_ttl", default_ttl, minimum=1)
+        self.default_ttl = _check_int("default_ttl", default_ttl, minimum=1, maximum=MAX_TTL)
         self.key_prefix = _check_prefix(key_prefix)
         self.startup_retries = _check_int("startup_retries", startup_retries, minimum=1)
         self.startup_retry_delay = _check_seconds("startup_retry_delay", startup_retry_delay)
@@ -241,6 +244,10 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 lock, grace_ms, replaces=earlier.value if earlier is not None else ""
             )
         except REDIS_ERRORS as exc:
+            if isinstance(exc, (RedisTimeoutError, asyncio.TimeoutError)):
+                # The acquire was written and may still run when Redis wakes up:
+                # undo it, so a send that failed leaves no lock behind.
+                self._connect().release_detached(lock)
             if not self.fail_open:
                 raise
             logger.warning(
@@ -525,16 +532,19 @@ def _check_bool(name: str, value: object) -> bool:
     return value
 
 
-def _check_int(name: str, value: object, *, minimum: int) -> int:
+def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         msg = f"{name} must be a whole number of at least {minimum}, not {value!r}"
+        raise ValueError(msg)
+    if maximum is not None and value > maximum:
+        msg = f"{name} must be at most {maximum}, not {value!r}"
         raise ValueError(msg)
     return value
 
 
 def _check_seconds(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        msg = f"{name} must be a number of seconds of at least 0, not {value!r}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        msg = f"{name} must be a finite number of seconds of at least 0, not {value!r}"
         raise ValueError(msg)
     return float(value)
 
@@ -549,7 +559,7 @@ def _check_prefix(value: object) -> str:
 def _check_interval(value: object, default_ttl: int) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         msg = f"heartbeat_interval must be a positive number of seconds or None, not {value!r}"
         raise ValueError(msg)
     if value >= default_ttl:

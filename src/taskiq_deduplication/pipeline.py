@@ -74,6 +74,22 @@ class Pipeline:
             await self._send_batch(future)
         return await future
 
+    async def call_many(self, calls: Sequence[ScriptCall]) -> list[Any]:
+        """Send several script calls, all in the same batch, and return their replies."""
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Any]] = []
+        for script, keys, args in calls:
+            futures.append(loop.create_future())
+            self._queue.append(_Call(script, keys, args, futures[-1]))
+        if not self._busy and futures:
+            await self._send_batch(futures[0])
+        await asyncio.wait(futures)
+        errors = [future.exception() for future in futures]  # each one retrieved
+        for error in errors:
+            if error is not None:
+                raise error
+        return [future.result() for future in futures]
+
     def queue(
         self, script: AsyncScript, keys: Sequence[str], args: Sequence[str | int], what: str
     ) -> None:
@@ -95,9 +111,12 @@ class Pipeline:
             self._queue.clear()
             try:
                 await self._transport.write([_evalsha(call) for call in calls])
-            except BaseException:
-                self._queue.extendleft(reversed(calls))  # they go the ordinary way
-                raise
+            except BaseException as exc:
+                # They go the ordinary way, which reconnects and logs a failure;
+                # nobody waits for this call, so its error is not the caller's.
+                self._queue.extendleft(reversed(calls))
+                if not isinstance(exc, Exception):
+                    raise
             else:
                 self._written += calls
             finally:
@@ -190,6 +209,8 @@ class Pipeline:
 
 
 Command = tuple[Any, ...]
+ScriptCall = tuple["AsyncScript", "Sequence[str]", "Sequence[str | int]"]
+"""A script, its keys and its arguments."""
 
 
 def _evalsha(call: _Call) -> Command:
