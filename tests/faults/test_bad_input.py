@@ -1,0 +1,247 @@
+"""Bad input: a clear error that names the culprit, and nothing half-done.
+
+These need no fault, so they run on the session's shared server; every check
+that "no key was written" looks at this test's own key prefix.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import redis.asyncio
+
+from taskiq_deduplication import RedisDeduplicationMiddleware
+from tests.faults.conftest import BrokerMaker
+
+pytestmark = pytest.mark.timeout(20)
+
+_OPTION_CASES: list[tuple[str, dict[str, Any]]] = [
+    ("redis_url", {"redis_url": None}),
+    ("redis_url", {"redis_url": ""}),
+    ("redis_url", {"redis_url": 6379}),
+    ("redis_url", {"redis_url": "http://127.0.0.1:6379"}),
+    ("redis_url", {"redis_url": "127.0.0.1:6379"}),
+    ("client", {"redis_url": None, "client": object()}),
+    ("client", {"client": "redis://127.0.0.1:6379"}),
+    ("default_deduplication", {"default_deduplication": "yes"}),
+    ("default_deduplication", {"default_deduplication": 1}),
+    ("default_deduplication", {"default_deduplication": None}),
+    ("default_ttl", {"default_ttl": 0}),
+    ("default_ttl", {"default_ttl": -1}),
+    ("default_ttl", {"default_ttl": 1.5}),
+    ("default_ttl", {"default_ttl": "300"}),
+    ("default_ttl", {"default_ttl": True}),
+    ("default_ttl", {"default_ttl": None}),
+    ("key_prefix", {"key_prefix": ""}),
+    ("key_prefix", {"key_prefix": 1}),
+    ("key_prefix", {"key_prefix": None}),
+    ("key_prefix", {"key_prefix": b"taskiq"}),
+    ("startup_retries", {"startup_retries": 0}),
+    ("startup_retries", {"startup_retries": -1}),
+    ("startup_retries", {"startup_retries": 2.0}),
+    ("startup_retries", {"startup_retries": "3"}),
+    ("startup_retries", {"startup_retries": True}),
+    ("startup_retries", {"startup_retries": None}),
+    ("startup_retry_delay", {"startup_retry_delay": -0.1}),
+    ("startup_retry_delay", {"startup_retry_delay": "1"}),
+    ("startup_retry_delay", {"startup_retry_delay": True}),
+    ("startup_retry_delay", {"startup_retry_delay": None}),
+    ("startup_retry_delay", {"startup_retry_delay": math.nan}),
+    ("heartbeat", {"heartbeat": "yes"}),
+    ("heartbeat", {"heartbeat": 0}),
+    ("heartbeat", {"heartbeat": None}),
+    ("heartbeat_interval", {"heartbeat_interval": 0}),
+    ("heartbeat_interval", {"heartbeat_interval": -1}),
+    ("heartbeat_interval", {"heartbeat_interval": "5"}),
+    ("heartbeat_interval", {"heartbeat_interval": True}),
+    ("heartbeat_interval", {"heartbeat_interval": math.nan}),
+    ("heartbeat_interval", {"heartbeat_interval": math.inf}),
+    ("heartbeat_interval", {"heartbeat_interval": 300}),  # = default_ttl: lapses
+    ("heartbeat_interval", {"default_ttl": 10, "heartbeat_interval": 12.5}),
+    ("fail_open", {"fail_open": "no"}),
+    ("fail_open", {"fail_open": 1}),
+    ("fail_open", {"fail_open": None}),
+]
+
+
+@pytest.mark.parametrize(
+    ("option", "options"), _OPTION_CASES, ids=[f"{o}={v}" for o, v in _OPTION_CASES]
+)
+def test_a_bad_option_raises_value_error_naming_it(
+    option: str, options: dict[str, Any], redis_url: str
+) -> None:
+    options = {"redis_url": redis_url, "key_prefix": "unused", **options}
+    with pytest.raises(ValueError, match=option):
+        RedisDeduplicationMiddleware(**options)
+
+
+def test_both_a_url_and_a_client_is_refused(redis_url: str) -> None:
+    client = redis.asyncio.Redis.from_url(redis_url)
+    with pytest.raises(ValueError, match="redis_url") as caught:
+        RedisDeduplicationMiddleware(redis_url=redis_url, client=client)
+    assert "client" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("option", "options"),
+    [
+        # A retry delay no startup can ever wait out: a Redis down at startup
+        # would hang the application instead of failing it.
+        ("startup_retry_delay", {"startup_retry_delay": math.inf}),
+        # A TTL Redis cannot store (its PX is a signed 64-bit count of ms): the
+        # extension after the send and every refresh would fail, and each lock
+        # would lapse after its 10 s grace TTL (see the label test below).
+        ("default_ttl", {"default_ttl": 10**16}),
+    ],
+    ids=["startup_retry_delay=inf", "default_ttl=1e16"],
+)
+def test_an_option_no_deployment_can_use_is_refused(
+    option: str, options: dict[str, Any], redis_url: str
+) -> None:
+    with pytest.raises(ValueError, match=option):
+        RedisDeduplicationMiddleware(redis_url=redis_url, **options)
+
+
+_LABEL_CASES: list[tuple[str, object]] = [
+    ("deduplication", "maybe"),
+    ("deduplication", 2),
+    ("deduplication", ""),
+    ("deduplication", None),
+    ("deduplication_ttl", "abc"),
+    ("deduplication_ttl", 0),
+    ("deduplication_ttl", -5),
+    ("deduplication_ttl", "-5"),
+    ("deduplication_ttl", ""),
+    ("deduplication_ttl", 1.5),
+    ("deduplication_ttl", "1.5"),
+    ("deduplication_ttl", True),
+    ("deduplication_ttl", "0x10"),
+    ("deduplication_ttl", [30]),
+    ("deduplication_ttl", None),
+    ("deduplication_key", ""),
+    ("deduplication_key", b""),
+    ("deduplication_key_fields", "user_id"),
+    ("deduplication_key_fields", []),
+    ("deduplication_key_fields", ()),
+    ("deduplication_key_fields", ""),
+    ("deduplication_key_fields", "["),
+    ("deduplication_key_fields", [1]),
+    ("deduplication_key_fields", ["user id"]),
+    ("deduplication_key_fields", [""]),
+    ("deduplication_key_fields", {"user_id": 1}),
+    ("deduplication_key_fields", "['a'] + ['b']"),
+    ("deduplication_key_fields", None),
+    ("deduplication_key_fields", 7),
+]
+
+
+@pytest.mark.parametrize(
+    ("label", "value"), _LABEL_CASES, ids=[f"{label}={v!r}" for label, v in _LABEL_CASES]
+)
+async def test_a_malformed_label_at_the_call_raises_value_error_naming_it(
+    label: str,
+    value: object,
+    make_recording_broker: BrokerMaker,
+    redis_url: str,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+) -> None:
+    broker = await make_recording_broker(redis_url)
+
+    @broker.task
+    async def work(user_id: int) -> int:
+        return user_id
+
+    labels: dict[str, Any] = {label: value}
+    with pytest.raises(ValueError, match=label):
+        await work.kicker().with_labels(**labels).kiq(user_id=1)
+    assert broker.sent == []
+    assert await redis_client.keys(f"{prefix}:*") == []
+
+
+@pytest.mark.parametrize(
+    ("label", "value"),
+    [("deduplication_ttl", "abc"), ("deduplication_key_fields", "user_id")],
+)
+async def test_a_malformed_label_on_the_task_raises_value_error_naming_it(
+    label: str,
+    value: object,
+    make_recording_broker: BrokerMaker,
+    redis_url: str,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+) -> None:
+    broker = await make_recording_broker(redis_url)
+    labels: dict[str, Any] = {label: value}
+
+    @broker.task("bad_label_task", **labels)
+    async def work(user_id: int) -> int:
+        return user_id
+
+    with pytest.raises(ValueError, match=label):
+        await work.kiq(user_id=1)
+    assert broker.sent == []
+    assert await redis_client.keys(f"{prefix}:*") == []
+
+
+async def test_a_ttl_label_redis_cannot_store_raises_value_error_naming_it(
+    make_recording_broker: BrokerMaker,
+    redis_url: str,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+) -> None:
+    # 10**16 s is 10**19 ms, past Redis's signed 64-bit PX. The acquire (at the
+    # 10 s grace TTL) still works, so the kiq goes through; then the extension
+    # to the full TTL and every heartbeat refresh fail inside Redis, and the
+    # lock of a task that may run for hours silently lapses after 10 s.
+    broker = await make_recording_broker(redis_url)
+
+    @broker.task
+    async def work(user_id: int) -> int:
+        return user_id
+
+    with pytest.raises(ValueError, match="deduplication_ttl"):
+        await work.kicker().with_labels(deduplication_ttl=10**16).kiq(user_id=1)
+    assert broker.sent == []
+    assert await redis_client.keys(f"{prefix}:*") == []
+
+
+class _Opaque:
+    """A value neither JSON nor taskiq can send; its repr holds a secret."""
+
+    def __repr__(self) -> str:
+        return "<opaque hunter2>"
+
+
+def _circular() -> list[object]:
+    loop: list[object] = []
+    loop.append(loop)
+    return loop
+
+
+@pytest.mark.parametrize(
+    "value",
+    [_Opaque(), {"nested": [1, {"deep": _Opaque()}]}, _circular(), {1, _Opaque()}],
+    ids=["object", "nested-object", "circular", "set-with-object"],
+)
+async def test_arguments_the_fingerprint_cannot_encode_raise_type_error(
+    value: object,
+    make_recording_broker: BrokerMaker,
+    redis_url: str,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+) -> None:
+    broker = await make_recording_broker(redis_url)
+
+    @broker.task
+    async def work(payload: Any) -> None:
+        return None
+
+    with pytest.raises(TypeError, match="work") as caught:
+        await work.kiq(payload=value)
+    assert "deduplication_key" in str(caught.value)  # says how to get out of it
+    assert "hunter2" not in str(caught.value)  # names the type, not the value
+    assert broker.sent == []
+    assert await redis_client.keys(f"{prefix}:*") == []

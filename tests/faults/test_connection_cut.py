@@ -1,0 +1,232 @@
+"""Fault 6: the path between the middleware and Redis is cut by a proxy.
+
+Unlike a stopped server, Redis keeps its data here: only the network fails. The
+outcomes are those of faults 2 to 4, and the middleware must recover on its own
+once the path is back, with no restart of the application.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+import redis.exceptions
+
+from taskiq_deduplication import DuplicateTaskError
+from tests._server import Server
+from tests.faults._harness import (
+    GRACE_TTL_MS,
+    LOCK_KEY_LABEL,
+    LogRecords,
+    admin,
+    lock_keys,
+    wait_until,
+)
+from tests.faults._proxy import Proxy
+from tests.faults.conftest import FAST, BrokerMaker
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def test_a_cut_at_send_fails_the_kiq_and_recovers_once_restored(
+    make_recording_broker: BrokerMaker,
+    proxy: Proxy,
+    recovery: Callable[[str, float], None],
+) -> None:
+    broker = await make_recording_broker(proxy.url(FAST))
+
+    @broker.task
+    async def work(x: int) -> int:
+        return x
+
+    await (await work.kiq(x=0)).wait_result(timeout=5)
+    await proxy.cut()
+    for attempt in range(3):  # refused for a while, each attempt fails fast
+        started = time.monotonic()
+        with pytest.raises(redis.exceptions.ConnectionError):
+            await work.kiq(x=1)
+        assert time.monotonic() - started < 2.0, attempt
+    assert len(broker.sent) == 1  # only the first task
+
+    await proxy.restore()
+    restored_at = time.monotonic()
+    handle = await work.kiq(x=1)
+    recovery("cut at send: path restored -> kiq succeeds", time.monotonic() - restored_at)
+    assert (await handle.wait_result(timeout=5)).return_value == 1
+
+
+async def test_a_cut_at_send_with_fail_open_sends_without_a_lock(
+    make_recording_broker: BrokerMaker, proxy: Proxy, server: Server, prefix: str, logs: LogRecords
+) -> None:
+    broker = await make_recording_broker(proxy.url(FAST), fail_open=True)
+    finish = asyncio.Event()
+
+    @broker.task
+    async def work(x: int) -> int:
+        await finish.wait()
+        return x
+
+    await proxy.cut()
+    unlocked = await work.kiq(x=1)
+    assert LOCK_KEY_LABEL not in broker.sent[-1].labels
+    assert logs.warnings("fail_open")
+
+    await proxy.restore()
+    locked = await work.kiq(x=2)  # locked again, by itself
+    assert LOCK_KEY_LABEL in broker.sent[-1].labels
+    with pytest.raises(DuplicateTaskError):
+        await work.kiq(x=2)
+    with admin(server.port) as client:
+        assert len(lock_keys(client, prefix)) == 1
+    finish.set()
+    assert (await unlocked.wait_result(timeout=5)).return_value == 1
+    assert (await locked.wait_result(timeout=5)).return_value == 2
+
+
+@pytest.mark.parametrize("fail_open", [False, True])
+async def test_a_black_holed_path_fails_or_sends_within_the_timeout(
+    make_recording_broker: BrokerMaker,
+    proxy: Proxy,
+    fail_open: bool,
+    recovery: Callable[[str, float], None],
+) -> None:
+    broker = await make_recording_broker(proxy.url(FAST), fail_open=fail_open)
+
+    @broker.task
+    async def work(x: int) -> int:
+        return x
+
+    await (await work.kiq(x=0)).wait_result(timeout=5)
+    proxy.hang()
+    started = time.monotonic()
+    if fail_open:
+        handle = await work.kiq(x=1)
+        assert LOCK_KEY_LABEL not in broker.sent[-1].labels
+        assert (await handle.wait_result(timeout=5)).return_value == 1
+    else:
+        with pytest.raises(redis.exceptions.TimeoutError):
+            await work.kiq(x=1)
+        assert len(broker.sent) == 1
+    assert time.monotonic() - started < 3.0
+
+    await proxy.restore()
+    restored_at = time.monotonic()
+    handle = await work.kiq(x=2)
+    recovery(
+        f"black hole (fail_open={fail_open}): restored -> kiq succeeds",
+        time.monotonic() - restored_at,
+    )
+    assert (await handle.wait_result(timeout=5)).return_value == 2
+
+
+async def test_a_cut_after_the_send_is_swallowed_and_the_heartbeat_recovers(
+    make_recording_broker: BrokerMaker,
+    proxy: Proxy,
+    server: Server,
+    prefix: str,
+    logs: LogRecords,
+    recovery: Callable[[str, float], None],
+) -> None:
+    broker = await make_recording_broker(
+        proxy.url(FAST), on_kick=proxy.cut, default_ttl=30, heartbeat_interval=0.3
+    )
+    started = asyncio.Event()
+    finish = asyncio.Event()
+
+    @broker.task
+    async def work(x: int) -> int:
+        started.set()
+        await finish.wait()
+        return x
+
+    handle = await work.kiq(x=1)  # the extension to the full TTL fails: not raised
+    await asyncio.wait_for(started.wait(), 5)
+    await asyncio.sleep(0.8)  # re-assert and refreshes fail meanwhile
+    assert logs.warnings("Could not extend lock")
+    assert logs.warnings("Could not re-assert lock")
+    assert logs.warnings("Could not refresh")
+    with admin(server.port) as client:
+        (key,) = lock_keys(client, prefix)
+        assert 0 < client.pttl(key) <= GRACE_TTL_MS  # only the grace TTL so far
+
+        await proxy.restore()
+        restored_at = time.monotonic()
+        await wait_until(lambda: _async(client.pttl(key) > GRACE_TTL_MS), timeout=5)
+        recovery("cut after send: restored -> heartbeat refreshes", time.monotonic() - restored_at)
+
+        finish.set()
+        assert (await handle.wait_result(timeout=5)).return_value == 1
+        await broker.wait_all()
+        assert lock_keys(client, prefix) == []  # the release went through
+
+
+async def test_a_cut_over_the_release_lets_the_lock_expire_on_its_ttl(
+    make_recording_broker: BrokerMaker,
+    proxy: Proxy,
+    server: Server,
+    prefix: str,
+    logs: LogRecords,
+    recovery: Callable[[str, float], None],
+) -> None:
+    broker = await make_recording_broker(proxy.url(FAST), default_ttl=2)
+    started = asyncio.Event()
+    finish = asyncio.Event()
+
+    @broker.task
+    async def work(x: int) -> int:
+        started.set()
+        await finish.wait()
+        return x
+
+    handle = await work.kiq(x=1)
+    await asyncio.wait_for(started.wait(), 5)
+    await proxy.cut()
+    finish.set()
+    result = await handle.wait_result(timeout=5)
+    assert result.return_value == 1
+    await broker.wait_all()
+    assert logs.warnings("Could not release lock")
+    ended_at = time.monotonic()
+    with admin(server.port) as client:
+        (key,) = lock_keys(client, prefix)
+        assert 0 < client.pttl(key) <= 2000
+        await wait_until(lambda: _async(not lock_keys(client, prefix)), timeout=4)
+    recovery("cut over the release: task end -> lock gone", time.monotonic() - ended_at)
+
+    await proxy.restore()
+    again = await work.kiq(x=1)
+    assert (await again.wait_result(timeout=5)).return_value == 1
+
+
+async def _async(value: bool) -> bool:
+    return value
+
+
+async def test_a_cut_noticed_before_the_extension_after_the_send_is_swallowed(
+    make_recording_broker: BrokerMaker, proxy: Proxy, logs: LogRecords
+) -> None:
+    # The broker accepted the message, then the path to Redis broke and the
+    # client noticed; the extension to the full TTL has to reconnect, and fails.
+    # The spec: "failing to extend the lock after the send ... never raises".
+    async def cut_and_notice() -> None:
+        await proxy.cut()
+        await asyncio.sleep(0.1)  # the client's connection sees the reset
+
+    broker = await make_recording_broker(proxy.url(FAST), on_kick=cut_and_notice, default_ttl=30)
+
+    @broker.task
+    async def work(x: int) -> int:
+        return x
+
+    handle = await work.kiq(x=1)  # queued: whatever fails now must not raise
+    assert len(broker.sent) == 1
+    assert (await handle.wait_result(timeout=5)).return_value == 1
+    await broker.wait_all()
+
+    async def extension_failure_logged() -> bool:
+        return bool(logs.warnings("Could not extend lock"))
+
+    # The extension goes back to the queue and its failure is logged when it is sent.
+    await wait_until(extension_failure_logged, timeout=5)
