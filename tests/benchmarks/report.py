@@ -1,0 +1,351 @@
+"""What the run found, for people: the machine, the median of the runs, the table, the targets."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import statistics
+import subprocess
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import redis.utils
+
+Results = dict[str, Any]
+
+
+def machine(server_version: str, *, own_server: bool) -> Results:
+    """The machine, the software and the date the figures belong to."""
+    cpu_model = "?"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.partition(":")[2].strip()
+                break
+    packages = ("taskiq", "taskiq-redis", "redis", "taskiq-deduplication", "hiredis")
+    versions = {package: _version(package) for package in packages}
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "nproc": os.cpu_count(),
+        "cpu_model": cpu_model,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "versions": versions,
+        "hiredis_parser": bool(redis.utils.HIREDIS_AVAILABLE),
+        "redis_server": server_version,
+        "own_server": own_server,
+        "load_average_start": list(os.getloadavg()),
+        "git_commit": _git("rev-parse", "--short", "HEAD"),
+        "git_dirty_src": bool(_git("status", "--porcelain", "--", "src")),
+    }
+
+
+def _git(*args: str) -> str:
+    try:
+        done = subprocess.run(
+            ["git", *args],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except OSError:
+        return ""
+    return done.stdout.strip()
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def summarize(runs: list[Results]) -> Results:
+    """Median, minimum and maximum of every number across the runs (same shape as a run)."""
+    first = runs[0]
+    summary: Results = {}
+    for key, value in first.items():
+        values = [run.get(key) for run in runs]
+        if isinstance(value, dict):
+            summary[key] = summarize([v for v in values if isinstance(v, dict)])
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            numbers = [float(v) for v in values if isinstance(v, (int, float))]
+            summary[key] = {
+                "median": statistics.median(numbers),
+                "min": min(numbers),
+                "max": max(numbers),
+            }
+    return summary
+
+
+def lookup(summary: Results, path: str) -> dict[str, float] | None:
+    """The ``{"median", "min", "max"}`` at a dotted ``path``, or ``None`` if not measured."""
+    node: Any = summary
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node if isinstance(node, dict) and "median" in node else None
+
+
+@dataclass(frozen=True)
+class Target:
+    """One goal of issue 5."""
+
+    name: str
+    path: str
+    goal: str
+    met: Any  # Callable[[float], bool], kept loose for the frozen dataclass
+
+
+TARGETS = (
+    Target(
+        "sequential kiq, null broker: with / without",
+        "send_path.null.1.ratio",
+        ">= 0.10",
+        lambda v: v >= 0.10,
+    ),
+    Target(
+        "sequential kiq, ListQueueBroker: with / without",
+        "send_path.list_queue.1.ratio",
+        ">= 0.6",
+        lambda v: v >= 0.6,
+    ),
+    Target(
+        "heartbeat, 10,000 tasks: round trips per interval",
+        "heartbeat.10000.round_trips_per_interval",
+        "<= 2",
+        lambda v: v <= 2,
+    ),
+    Target(
+        "heartbeat, 10,000 tasks: share of one core",
+        "heartbeat.10000.cpu_share_of_core",
+        "< 0.05",
+        lambda v: v < 0.05,
+    ),
+    Target(
+        "Redis memory per held lock (bytes)",
+        "memory.bytes_per_lock",
+        "<= 200",
+        lambda v: v <= 200,
+    ),
+    Target(
+        "round trips on an accepted kiq's critical path",
+        "round_trips.succeeded.critical_path_round_trips",
+        "== 1",
+        lambda v: v == 1,
+    ),
+    Target(
+        "round trips per rejected duplicate",
+        "round_trips.rejected.round_trips",
+        "== 1",
+        lambda v: v == 1,
+    ),
+)
+
+
+def targets(summary: Results) -> list[Results]:
+    """Each target with its median figure and whether the median meets it."""
+    rows: list[Results] = []
+    for target in TARGETS:
+        figure = lookup(summary, target.path)
+        rows.append(
+            {
+                "target": target.name,
+                "figure": target.path,
+                "goal": target.goal,
+                "median": None if figure is None else figure["median"],
+                "met": None if figure is None else bool(target.met(figure["median"])),
+            }
+        )
+    failed = lookup(summary, "round_trips.failed.round_trips")
+    succeeded = lookup(summary, "round_trips.succeeded.round_trips")
+    if failed is not None and succeeded is not None:
+        rows.append(
+            {
+                "target": "round trips of a failed task / of a successful one",
+                "figure": "round_trips.failed.round_trips / round_trips.succeeded.round_trips",
+                "goal": "<= 1",
+                "median": failed["median"] / succeeded["median"],
+                "met": failed["median"] <= succeeded["median"],
+            }
+        )
+    return rows
+
+
+def _number(value: float) -> str:
+    magnitude = abs(value)
+    if float(value).is_integer():
+        return f"{int(value):,}"
+    if magnitude >= 1000:
+        return f"{value:,.0f}"
+    if magnitude >= 100:
+        return f"{value:.0f}"
+    if magnitude >= 10:
+        return f"{value:.1f}"
+    if magnitude >= 0.1:
+        return f"{value:.2f}"
+    return f"{value:.3f}"
+
+
+def show(figure: dict[str, float] | None) -> str:
+    """``median [min-max]``, or just the median when all runs agree."""
+    if figure is None:
+        return "-"
+    text = _number(figure["median"])
+    low, high = _number(figure["min"]), _number(figure["max"])
+    return text if low == high else f"{text} [{low}-{high}]"
+
+
+def _rows(summary: Results) -> list[tuple[str, ...]]:  # noqa: C901, PLR0912 (one table, section by section)
+    rows: list[tuple[str, ...]] = []
+
+    def add(*cells: str) -> None:
+        rows.append(cells)
+
+    def at(path: str) -> str:
+        return show(lookup(summary, path))
+
+    limit = summary.get("limit", {})
+    if limit:
+        add("## limit: acquire script through redis.asyncio", "", "", "")
+        add("EVALSHA sequential /s", at("limit.evalsha_sequential_per_s"), "", "")
+        add("EVALSHA sequential us", at("limit.evalsha_sequential_us"), "", "")
+        add("EVALSHA in pipelines of 100 /s", at("limit.pipeline_100_calls_per_s"), "", "")
+    for broker, title in (("null", "null broker"), ("list_queue", "ListQueueBroker")):
+        section = summary.get("send_path", {}).get(broker, {})
+        if not section:
+            continue
+        add(f"## send path, {title}: kiq/s", "without", "with", "with/without")
+        for callers in section:
+            base = f"send_path.{broker}.{callers}"
+            add(
+                f"{callers} caller(s)",
+                at(f"{base}.none_per_s"),
+                at(f"{base}.dedup_per_s"),
+                at(f"{base}.ratio"),
+            )
+            add(
+                "  ... with / EVALSHA limit, with / ideal",
+                at(f"{base}.limit_per_s"),
+                at(f"{base}.ratio_to_limit"),
+                at(f"{base}.ratio_to_ideal"),
+            )
+    for name, title, columns in (
+        ("rejected", "## rejected duplicates /s", ("kiq without", "rejected", "rejected/without")),
+        (
+            "lifecycle",
+            "## lifecycle on InMemoryBroker, tasks/s",
+            ("without", "with", "with/without"),
+        ),
+    ):
+        section = summary.get(name, {})
+        if section:
+            add(title, *columns)
+        for callers in (c for c in section if c.isdigit()):
+            base = f"{name}.{callers}"
+            first, second = (
+                ("none_kiq_per_s", "rejected_per_s")
+                if name == "rejected"
+                else (
+                    "none_per_s",
+                    "dedup_per_s",
+                )
+            )
+            add(
+                f"{callers} caller(s)",
+                at(f"{base}.{first}"),
+                at(f"{base}.{second}"),
+                at(f"{base}.ratio"),
+            )
+    if "lifecycle" in summary:
+        add("locks left after the runs", at("lifecycle.locks_left"), "", "")
+    trips = summary.get("round_trips", {})
+    if trips:
+        add(
+            "## round trips per task (alone)",
+            "in kiq: trips / writes",
+            "total: trips / writes",
+            "EVALSHA (server)",
+        )
+        for case in ("succeeded", "failed", "retried_once", "rejected"):
+            base = f"round_trips.{case}"
+            add(
+                case,
+                f"{at(base + '.critical_path_round_trips')} / {at(base + '.critical_path_writes')}",
+                f"{at(base + '.round_trips')} / {at(base + '.writes')}",
+                at(f"{base}.server_script_calls"),
+            )
+        base = "round_trips.under_load_64_callers"
+        add(
+            "lifecycle, 64 callers (per task)",
+            "",
+            at(f"{base}.round_trips_per_task"),
+            at(f"{base}.server_script_calls_per_task"),
+        )
+    beats = summary.get("heartbeat", {})
+    if beats:
+        add("## heartbeat (interval 1 s)", "round trips/interval", "CPU share", "Redis CPU")
+        for tasks in beats:
+            base = f"heartbeat.{tasks}"
+            add(
+                f"{int(tasks):,} running tasks",
+                at(f"{base}.round_trips_per_interval"),
+                at(f"{base}.cpu_share_of_core"),
+                at(f"{base}.server_cpu_share_of_core"),
+            )
+    if "memory" in summary:
+        add("## Redis memory", "bytes per lock", "MEMORY USAGE", "locks held")
+        add(
+            "used_memory delta",
+            at("memory.bytes_per_lock"),
+            at("memory.memory_usage_command_bytes"),
+            at("memory.locks_held"),
+        )
+    for broker in summary.get("latency", {}):
+        if broker == "limit":
+            add(
+                "EVALSHA alone, p50 / p99 us",
+                at("latency.limit.p50_us"),
+                at("latency.limit.p99_us"),
+                "",
+            )
+            continue
+        add(
+            f"## latency per kiq, {broker} (us)",
+            "p50 without/with",
+            "p99 without/with",
+            "added p50/p99",
+        )
+        for callers in summary["latency"][broker]:
+            base = f"latency.{broker}.{callers}"
+            add(
+                f"{callers} caller(s)",
+                f"{at(base + '.none_p50_us')} / {at(base + '.dedup_p50_us')}",
+                f"{at(base + '.none_p99_us')} / {at(base + '.dedup_p99_us')}",
+                f"{at(base + '.added_p50_us')} / {at(base + '.added_p99_us')}",
+            )
+    return rows
+
+
+def table(summary: Results, target_rows: list[Results]) -> str:
+    """The whole report as plain text."""
+    rows = _rows(summary)
+    widths = [max(len(row[i]) for row in rows) for i in range(4)] if rows else [0] * 4
+    lines = []
+    for row in rows:
+        if row[0].startswith("## "):
+            lines.append("")
+        lines.append("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip())
+    lines.append("")
+    lines.append("## targets (median of the runs)")
+    for goal in target_rows:
+        verdict = "not measured" if goal["met"] is None else ("met" if goal["met"] else "MISSED")
+        value = "-" if goal["median"] is None else _number(goal["median"])
+        lines.append(f"{goal['target']}: {value} (goal {goal['goal']}): {verdict}")
+    return "\n".join(lines) + "\n"
