@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="also profile the send path with pyinstrument and say where the time goes",
+        help="also profile the send path with py-spy and say where the time goes",
     )
     parser.add_argument(
         "--only",
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                     for prefix in bench.prefixes:
                         probe.delete(prefix)
             if args.profile:
-                from tests.benchmarks import profiling  # noqa: PLC0415 (pyinstrument is optional)
+                from tests.benchmarks import profiling  # noqa: PLC0415 (needs py-spy, which is optional)
 
                 bench = scenarios.Bench(url, probe, settings)
                 try:
