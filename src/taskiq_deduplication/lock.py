@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import TYPE_CHECKING, Final
 
@@ -61,11 +61,12 @@ class Lock:
     token: str
     task_id: str
     ttl_ms: int
+    value: str = field(init=False, repr=False, compare=False)
+    """The lock's value in Redis: ``"<owner token> <task_id>"``."""
 
-    @property
-    def value(self) -> str:
-        """The lock's value in Redis: ``"<owner token> <task_id>"``."""
-        return f"{self.token} {self.task_id}"
+    def __post_init__(self) -> None:
+        """Compute the value once: a heartbeat tick sends it for every running task."""
+        object.__setattr__(self, "value", f"{self.token} {self.task_id}")
 
 
 class Reasserted:
@@ -141,17 +142,26 @@ class LockStore:
             Per lock: `Reasserted.REFRESHED`, `Reasserted.TAKEN_BACK`,
             or the value of the lock another send holds now.
         """
-        step = self._keys_per_reassert
+        # One call per TTL (the locks of a task share theirs) and per chunk of keys.
+        by_ttl: dict[int, list[int]] = {}
+        for index, lock in enumerate(locks):
+            by_ttl.setdefault(lock.ttl_ms, []).append(index)
         calls: list[ScriptCall] = []
-        for start in range(0, len(locks), step):
-            chunk = locks[start : start + step]
-            args: list[str | int] = []
-            for lock in chunk:
-                args += (lock.token, lock.task_id, lock.ttl_ms)
-            calls.append((self._reassert, [lk.key for lk in chunk], args))
-        # All chunks go in one batch: a heartbeat tick is one round trip.
+        order: list[int] = []
+        step = self._keys_per_reassert
+        for ttl_ms, indices in by_ttl.items():
+            for start in range(0, len(indices), step):
+                chunk = indices[start : start + step]
+                keys = [locks[i].key for i in chunk]
+                calls.append((self._reassert, keys, [ttl_ms, *(locks[i].value for i in chunk)]))
+                order += chunk
+        # All of them go in one batch: a heartbeat tick is one round trip.
         replies = await self._pipeline.call_many(calls)
-        return [r if isinstance(r, int) else text(r) for reply in replies for r in reply]
+        outcomes: list[int | str] = [0] * len(locks)
+        flat = (reply for chunk_replies in replies for reply in chunk_replies)
+        for index, reply in zip(order, flat, strict=True):
+            outcomes[index] = reply if isinstance(reply, int) else text(reply)
+        return outcomes
 
     async def drain(self) -> None:
         """Wait until every queued command has been answered."""
