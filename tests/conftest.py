@@ -36,6 +36,16 @@ def redis_url() -> Iterator[str]:
 
 
 @pytest.fixture
+def server() -> Iterator[Server]:
+    """A throwaway server of this test's own, to stop, pause or restart."""
+    own = Server().start()
+    try:
+        yield own
+    finally:
+        own.cleanup()
+
+
+@pytest.fixture
 def prefix() -> str:
     """A key prefix no other test uses."""
     return f"test:{uuid.uuid4().hex[:12]}"

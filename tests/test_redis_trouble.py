@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,15 +19,6 @@ from tests._brokers import HoldingBroker
 from tests._server import Server
 
 FAST = "?socket_timeout=0.5&socket_connect_timeout=0.5"
-
-
-@pytest.fixture
-def server() -> Iterator[Server]:
-    own = Server().start()
-    try:
-        yield own
-    finally:
-        own.cleanup()
 
 
 async def started(server: Server, **options: Any) -> HoldingBroker:

@@ -33,16 +33,6 @@ FAST = "socket_timeout=0.5&socket_connect_timeout=0.5&timeout=1"
 
 
 @pytest.fixture
-def server() -> Iterator[Server]:
-    """A throwaway server of this test's own."""
-    own = Server().start()
-    try:
-        yield own
-    finally:
-        own.cleanup()
-
-
-@pytest.fixture
 async def proxy(server: Server) -> AsyncIterator[Proxy]:
     """A proxy to this test's server, which the test can cut and restore."""
     own = await Proxy(server.port).start()
