@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio
+from taskiq import BrokerMessage
 
 from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
 from tests._brokers import HoldingBroker
@@ -163,6 +164,42 @@ async def test_a_kiq_cancelled_mid_round_trip_leaves_at_most_a_grace_ttl_lock(
     assert broker.queued == []
     await job.kiq()  # the middleware goes on working on a new connection
     await broker.shutdown()
+    await client.aclose()
+
+
+async def test_cancelling_the_caller_that_sends_a_batch_loses_no_other_call(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    class PausingBroker(HoldingBroker):
+        """Freezes Redis once the first message is queued, before its extension."""
+
+        async def kick(self, message: BrokerMessage) -> None:
+            await super().kick(message)
+            if len(self.queued) == 1:
+                server.pause()
+
+    broker = PausingBroker().with_middlewares(
+        RedisDeduplicationMiddleware(redis_url=server.url + FAST, default_ttl=60)
+    )
+    await broker.startup()
+    client = redis.asyncio.Redis.from_url(server.url, decode_responses=True)
+    caplog.set_level(logging.WARNING, logger="taskiq_deduplication")
+
+    @broker.task
+    async def job(n: int) -> None: ...
+
+    first = await job.kiq(n=1)  # its extension is written ahead, unanswered
+    second = asyncio.ensure_future(job.kiq(n=2))  # sends the next batch, with it
+    await asyncio.sleep(0.1)
+    second.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    server.resume()
+    await broker.shutdown()  # the first send's extension is sent again
+    ttls = {str(await client.get(key)): await client.pttl(key) for key in await client.keys("*")}
+    (first_ttl,) = [ttl for value, ttl in ttls.items() if value.endswith(first.task_id)]
+    assert first_ttl > 10_000  # its full TTL, not the grace TTL
+    assert "Could not extend" not in caplog.text
     await client.aclose()
 
 

@@ -322,6 +322,7 @@ async def test_labels_given_as_strings_are_read_as_their_values(make_broker: Bro
         ("deduplication_ttl", 1.5),
         ("deduplication", "maybe"),
         ("deduplication_key", ""),
+        ("deduplication_key", None),
         ("deduplication_key_fields", "user_id"),
         ("deduplication_key_fields", []),
         ("deduplication_key_fields", ["user id"]),

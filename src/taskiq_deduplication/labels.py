@@ -179,6 +179,11 @@ def _parse_key(value: object) -> str:
     if not value:
         msg = "the key must not be empty"
         raise ValueError(msg)
+    if value == "None":
+        # with_labels(deduplication_key=None) arrives as this string: it would
+        # silently make every call share one lock.
+        msg = "None is not a key; leave the label out to fingerprint the call"
+        raise ValueError(msg)
     return value
 
 

@@ -370,11 +370,13 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         if execution.superseded or not execution.owned:
             return
         lock = execution.lock
-        requeued = message.labels.get(_REQUEUE_LABEL) != execution.requeues
-        retry_scheduled = message.labels.get(_RETRIES_LABEL) != execution.retries and isinstance(
-            result.error, NoResultError
+        # Both count up before they send, and the run ends with NoResultError
+        # only once the send went through.
+        passed_on = isinstance(result.error, NoResultError) and (
+            message.labels.get(_REQUEUE_LABEL) != execution.requeues
+            or message.labels.get(_RETRIES_LABEL) != execution.retries
         )
-        if requeued or retry_scheduled:
+        if passed_on:
             await self._connect().extend_detached(lock)
             return
         try:

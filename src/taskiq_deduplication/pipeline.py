@@ -81,9 +81,14 @@ class Pipeline:
         for script, keys, args in calls:
             futures.append(loop.create_future())
             self._queue.append(_Call(script, keys, args, futures[-1]))
-        if not self._busy and futures:
-            await self._send_batch(futures[0])
-        await asyncio.wait(futures)
+        try:
+            if not self._busy and futures:
+                await self._send_batch(futures[0])
+            await asyncio.wait(futures)
+        except BaseException:
+            for future in futures:  # nobody will look at them any more
+                future.cancel()
+            raise
         errors = [future.exception() for future in futures]  # each one retrieved
         for error in errors:
             if error is not None:
@@ -112,18 +117,22 @@ class Pipeline:
             try:
                 await self._transport.write([_evalsha(call) for call in calls])
             except BaseException as exc:
-                # They go the ordinary way, which reconnects and logs a failure;
-                # nobody waits for this call, so its error is not the caller's.
-                self._queue.extendleft(reversed(calls))
+                # The connection is gone, and with it the replies of anything
+                # written ahead before: all of it goes the ordinary way, which
+                # reconnects and logs a failure. Nobody waits for this call, so
+                # its error is not the caller's.
+                self._resend(calls)
                 if not isinstance(exc, Exception):
                     raise
             else:
                 self._written += calls
             finally:
                 self._busy = False
-        # Read the replies (or send what is queued) soon, unless the next call,
-        # often made in this very loop iteration, does it on its way.
-        asyncio.get_running_loop().call_soon(self._send_backlog)
+                # Read the replies (or send what is queued) soon, unless the next
+                # call, often made in this very loop iteration, does it on its way.
+                asyncio.get_running_loop().call_soon(self._send_backlog)
+        else:
+            asyncio.get_running_loop().call_soon(self._send_backlog)
 
     async def drain(self) -> None:
         """Wait until every call has been sent and its reply read."""
@@ -160,6 +169,13 @@ class Pipeline:
                 raise sha
             script.sha = text(sha)
 
+    def _resend(self, calls: list[_Call], written: list[_Call] | None = None) -> None:
+        """Put calls whose replies were lost back at the head of the queue."""
+        lost = (self._written if written is None else written) + calls
+        if written is None:
+            self._written = []
+        self._queue.extendleft(reversed(lost))
+
     def _send_backlog(self) -> None:
         idle = not self._busy and (self._sender is None or self._sender.done())
         if idle and (self._queue or self._written):
@@ -177,11 +193,13 @@ class Pipeline:
         try:
             replies = await self._send(written, batch)
         except asyncio.CancelledError:
-            # The sending task was cancelled mid-send; the other callers were not.
+            # The caller that was sending this batch was cancelled; the others in
+            # it were not. Their replies went with the connection, so the batch is
+            # sent again by the background sender: every lock script is
+            # idempotent for its owner, so a call that ran already may run again.
             if mine is not None:
                 mine.cancel()
-            interrupted = RedisConnectionError("the batch was interrupted by a cancellation")
-            _settle(written + batch, [interrupted] * (len(written) + len(batch)))
+            self._resend(batch, written)
             raise
         except Exception as exc:  # noqa: BLE001 (handed to each caller)
             replies = [exc] * (len(written) + len(batch))
