@@ -64,6 +64,15 @@ class Cluster:
     def start(self) -> Cluster:
         """Start the nodes, give each primary its slots, join them, wait until ``ok``."""
         count = self.primaries * (1 + self.replicas)
+        try:
+            self._start_nodes(count)
+            self._form()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_nodes(self, count: int) -> None:
         for _ in range(count):
             port = _cluster_port()
             node = Server(
@@ -78,12 +87,6 @@ class Cluster:
                 ),
             )
             self.nodes.append(node.start())
-        try:
-            self._form()
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
     def _form(self) -> None:
         # redis-py's sync client is untyped for these commands.
