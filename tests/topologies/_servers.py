@@ -144,9 +144,9 @@ class Sentinels:
     def start(self) -> Sentinels:
         """Start primary, replica and sentinels; wait until the sentinels agree."""
         self.primary.start()
-        self.replica = Server(extra_args=("--replicaof", "127.0.0.1", str(self.primary.port)))
-        self.replica.start()
         try:
+            self.replica = Server(extra_args=("--replicaof", "127.0.0.1", str(self.primary.port)))
+            self.replica.start()
             _wait(self._replica_in_sync, "replication")
             for _ in range(3):
                 self._start_sentinel()
