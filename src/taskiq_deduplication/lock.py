@@ -163,10 +163,6 @@ class LockStore:
             outcomes[index] = reply if isinstance(reply, int) else text(reply)
         return outcomes
 
-    async def drain(self) -> None:
-        """Wait until every queued command has been answered."""
-        await self._pipeline.drain()
-
     async def close(self) -> None:
         """Send what is queued and give the connection back; the client stays open."""
         await self._pipeline.close()

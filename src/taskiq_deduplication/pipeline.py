@@ -121,7 +121,8 @@ class Pipeline:
                 # written ahead before: all of it goes the ordinary way, which
                 # reconnects and logs a failure. Nobody waits for this call, so
                 # its error is not the caller's.
-                self._resend(calls)
+                lost, self._written = self._written + calls, []
+                self._resend(lost)
                 if not isinstance(exc, Exception):
                     raise
             else:
@@ -169,11 +170,8 @@ class Pipeline:
                 raise sha
             script.sha = text(sha)
 
-    def _resend(self, calls: list[_Call], written: list[_Call] | None = None) -> None:
-        """Put calls whose replies were lost back at the head of the queue."""
-        lost = (self._written if written is None else written) + calls
-        if written is None:
-            self._written = []
+    def _resend(self, lost: list[_Call]) -> None:
+        """Put calls whose replies were lost back at the head of the queue, in order."""
         self._queue.extendleft(reversed(lost))
 
     def _send_backlog(self) -> None:
@@ -199,7 +197,7 @@ class Pipeline:
             # idempotent for its owner, so a call that ran already may run again.
             if mine is not None:
                 mine.cancel()
-            self._resend(batch, written)
+            self._resend(written + batch)
             raise
         except Exception as exc:  # noqa: BLE001 (handed to each caller)
             replies = [exc] * (len(written) + len(batch))
