@@ -18,6 +18,7 @@ import redis.asyncio
 from taskiq import InMemoryBroker, TaskiqMiddleware
 
 from taskiq_deduplication import RedisDeduplicationMiddleware
+from taskiq_deduplication.heartbeat import Beat
 from tests._server import Server
 
 
@@ -159,6 +160,20 @@ async def wait_until(condition: Callable[[], Awaitable[bool]], timeout: float = 
             msg = f"condition not met within {timeout}s"
             raise AssertionError(msg)
         await asyncio.sleep(0.02)
+
+
+def running_beats(middleware: RedisDeduplicationMiddleware) -> list[Beat]:
+    """The locks that ``middleware``'s heartbeat keeps alive in this event loop."""
+    state = middleware._states.get()
+    return [] if state is None else list(state.heartbeat._beats)
+
+
+def client_of(middleware: RedisDeduplicationMiddleware) -> redis.asyncio.Redis:
+    """The Redis client ``middleware`` uses in this event loop (after its startup)."""
+    state = middleware._states.get()
+    assert state is not None, "the middleware has not started in this event loop"
+    assert isinstance(state.client, redis.asyncio.Redis)
+    return state.client
 
 
 def dedup_middleware(broker: InMemoryBroker) -> RedisDeduplicationMiddleware:

@@ -29,6 +29,7 @@ from tests.conftest import (
     dedup_middleware,
     lock_keys,
     lock_value,
+    running_beats,
     wait_until,
 )
 
@@ -197,12 +198,12 @@ async def test_heartbeat_interval_defaults_to_a_third_of_the_ttl(
 
     @broker.task
     async def job() -> None:
-        beats.extend(beat.interval for beat in middleware._heartbeat._beats)  # type: ignore[union-attr]
+        beats.extend(beat.interval for beat in running_beats(middleware))
         await release.wait()
 
     @broker.task(deduplication_ttl=2)
     async def short() -> None:
-        beats.extend(beat.interval for beat in middleware._heartbeat._beats)  # type: ignore[union-attr]
+        beats.extend(beat.interval for beat in running_beats(middleware))
 
     handle = await job.kiq()
     await asyncio.sleep(0.2)
@@ -222,7 +223,7 @@ async def test_heartbeat_interval_option_is_used_but_never_exceeds_half_the_ttl(
 
     @broker.task
     async def job() -> None:
-        beats.extend(beat.interval for beat in middleware._heartbeat._beats)  # type: ignore[union-attr]
+        beats.extend(beat.interval for beat in running_beats(middleware))
 
     await (await job.kiq()).wait_result(timeout=5)
     await (await job.kicker().with_labels(deduplication_ttl=10).kiq()).wait_result(timeout=5)
@@ -240,7 +241,7 @@ async def test_heartbeat_ends_with_the_task_and_revives_nothing(
         await asyncio.sleep(1.2)  # past the first refresh at 1 s
 
     await (await quick.kiq()).wait_result(timeout=5)
-    assert len(middleware._heartbeat) == 0  # type: ignore[arg-type]
+    assert running_beats(middleware) == []
     await asyncio.sleep(1.5)  # past the next refresh it would have sent
     assert await lock_keys(redis_client, prefix) == []
 
@@ -269,7 +270,7 @@ async def test_heartbeat_stops_even_when_another_middleware_skips_our_post_execu
     with pytest.raises(RuntimeError, match="post_execute failed"):
         await broker.wait_all()
     await asyncio.sleep(0)  # the done callbacks of the ended asyncio task run
-    assert len(dedup._heartbeat or ()) == 0
+    assert len(running_beats(dedup)) == 0
     # The lock was never released, and nothing refreshes it: it expires on its TTL.
     (key,) = await lock_keys(redis_client, prefix)
     assert 0 < await redis_client.pttl(key) <= 2000
@@ -354,7 +355,7 @@ async def test_a_retry_is_not_a_duplicate_of_itself(
     assert holders == [first.task_id] * 3
     assert (await first.wait_result(timeout=5)).return_value == "done"
     assert await lock_keys(redis_client, prefix) == []
-    assert len(dedup._heartbeat or ()) == 0
+    assert len(running_beats(dedup)) == 0
 
 
 async def test_exhausted_retries_release_the_lock(

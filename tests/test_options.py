@@ -13,7 +13,7 @@ from pydantic import RedisDsn
 from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
 from tests._brokers import HoldingBroker
 from tests._server import free_port
-from tests.conftest import BrokerFactory
+from tests.conftest import BrokerFactory, client_of
 
 
 def test_defaults_are_the_documented_ones() -> None:
@@ -89,14 +89,14 @@ async def test_redis_dsn_is_accepted(redis_url: str, prefix: str) -> None:
 async def test_client_built_from_the_url_has_timeouts(redis_url: str) -> None:
     middleware = RedisDeduplicationMiddleware(redis_url=redis_url)
     await middleware.startup()
-    kwargs = middleware._client.connection_pool.connection_kwargs  # type: ignore[union-attr]
+    kwargs = client_of(middleware).connection_pool.connection_kwargs
     assert kwargs["socket_timeout"] == 5.0
     assert kwargs["socket_connect_timeout"] == 5.0
     await middleware.shutdown()
 
     tuned = RedisDeduplicationMiddleware(redis_url=f"{redis_url}?socket_timeout=0.5")
     await tuned.startup()
-    kwargs = tuned._client.connection_pool.connection_kwargs  # type: ignore[union-attr]
+    kwargs = client_of(tuned).connection_pool.connection_kwargs
     assert kwargs["socket_timeout"] == 0.5
     await tuned.shutdown()
 
@@ -178,3 +178,4 @@ async def test_hooks_work_without_startup(redis_url: str, prefix: str) -> None:
     await job.kiq()
     await broker.deliver()
     await broker.shutdown()
+

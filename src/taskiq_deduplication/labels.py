@@ -22,6 +22,7 @@ ENABLED_LABEL = "deduplication"
 TTL_LABEL = "deduplication_ttl"
 KEY_LABEL = "deduplication_key"
 KEY_FIELDS_LABEL = "deduplication_key_fields"
+RUNNING_TTL_LABEL = "deduplication_running_ttl"
 
 # Added by the sender to each message it locked; read back by the worker.
 # They travel raw (as strings), like taskiq's own "_retries".
@@ -48,10 +49,12 @@ class SendOptions:
     """Explicit lock key, or ``None`` to fingerprint the call."""
     key_fields: tuple[str, ...] | None
     """Keyword arguments that make up the fingerprint, or ``None`` for all of them."""
+    running_ttl: int | None = None
+    """The running lease in seconds, if the label sets one (read again by the worker)."""
 
 
 def read_send_options(
-    labels: Mapping[str, Any], *, default_enabled: bool, default_ttl: int
+    labels: Mapping[str, Any], *, default_enabled: bool, default_ttl: int, heartbeat: bool = True
 ) -> SendOptions | None:
     """Read the deduplication labels of a message about to be sent.
 
@@ -59,6 +62,7 @@ def read_send_options(
         labels: The message's labels.
         default_enabled: Whether deduplication is on when the label is absent.
         default_ttl: Lock TTL in seconds when the label is absent.
+        heartbeat: Whether the heartbeat is on; a running lease needs it.
 
     Returns:
         The options, or ``None`` when deduplication is off for this send.
@@ -73,11 +77,33 @@ def read_send_options(
     ttl = labels.get(TTL_LABEL)
     key = labels.get(KEY_LABEL)
     fields = labels.get(KEY_FIELDS_LABEL)
+    running_ttl = labels.get(RUNNING_TTL_LABEL)
+    if running_ttl is not None and not heartbeat:
+        msg = f"label {RUNNING_TTL_LABEL!r} needs the heartbeat (heartbeat=True)"
+        raise ValueError(msg)
     return SendOptions(
         ttl=default_ttl if ttl is None else _parse(_parse_ttl, TTL_LABEL, ttl),
         key=None if key is None else _parse(_parse_key, KEY_LABEL, key),
         key_fields=None if fields is None else _parse(_parse_key_fields, KEY_FIELDS_LABEL, fields),
+        running_ttl=(
+            None if running_ttl is None else _parse(_parse_ttl, RUNNING_TTL_LABEL, running_ttl)
+        ),
     )
+
+
+def read_running_ttl(labels: Mapping[str, Any], *, default: int | None) -> int | None:
+    """Read the running lease of a task about to run, in seconds, never raising.
+
+    The sender checked the label already; a value it did not write (a sender
+    without this middleware) falls back to ``default``.
+    """
+    value = labels.get(RUNNING_TTL_LABEL)
+    if value is None:
+        return default
+    try:
+        return _parse_ttl(value)
+    except (TypeError, ValueError):  # TypeError: an unhashable value
+        return default
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import enum
 import logging
 import math
 from dataclasses import dataclass, field
@@ -34,18 +35,20 @@ from taskiq.exceptions import NoResultError
 from taskiq_deduplication import labels
 from taskiq_deduplication.exceptions import DuplicateTaskError
 from taskiq_deduplication.fingerprint import call_fingerprint, fields_fingerprint
-from taskiq_deduplication.heartbeat import Beat, Heartbeat
+from taskiq_deduplication.heartbeat import Beat
 from taskiq_deduplication.labels import MAX_TTL
 from taskiq_deduplication.lock import (
     REDIS_ERRORS,
     Lock,
-    LockStore,
     Reasserted,
     holder_task_id,
     new_token,
 )
+from taskiq_deduplication.loops import LoopState, LoopStates
 
 if TYPE_CHECKING:
+    from taskiq.abc.broker import AsyncBroker
+
     RedisClient = Redis | RedisCluster
 
 __all__ = ["RedisDeduplicationMiddleware"]
@@ -63,12 +66,26 @@ _REQUEUE_LABEL: Final = "X-Taskiq-requeue"
 _RETRIES_LABEL: Final = "_retries"
 
 
+class _Resent(enum.Enum):
+    """What became of a retry that a run sent of itself, through this middleware."""
+
+    WITH_THE_LOCK = enum.auto()
+    """The retry took the lock over: this run must not touch it any more."""
+    WITHOUT_A_LOCK = enum.auto()
+    """The retry went out without one (``fail_open``): this run releases its own."""
+
+
 @dataclass(eq=False, slots=True)
 class _Execution:
     """One run of a locked task in this process."""
 
     lock: Lock
+    """The lock as the send took it, with the TTL of a queued task."""
+    lease: Lock
+    """The same lock with the TTL it keeps while the task runs."""
     task_name: str
+    state: LoopState
+    """The event loop's state the run began in: its heartbeat keeps the lease."""
     requeues: object
     """taskiq's requeue count when the run began."""
     retries: object
@@ -76,8 +93,7 @@ class _Execution:
     beat: Beat | None = None
     owned: bool = True
     ended: bool = False
-    superseded: bool = False
-    """A retry of this run took its lock over: this run must not release it."""
+    resent: _Resent | None = None
     context: Any = field(default=None, repr=False)
     """The token that restores the execution context variable."""
     on_task_done: Any = field(default=None, repr=False)
@@ -112,6 +128,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         heartbeat: bool = True,
         heartbeat_interval: float | None = None,
         fail_open: bool = False,
+        running_ttl: int | None = None,
         client: Redis | RedisCluster | None = None,
     ) -> None:
         """Configure the middleware; nothing connects until the broker starts.
@@ -133,6 +150,12 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 the task's TTL, at least 1 second (and at most half the TTL).
             fail_open: Whether a Redis error while taking the lock lets the task
                 go out without one (logged) instead of failing the send.
+            running_ttl: A shorter TTL, in seconds, for the lock while its task
+                runs (a running lease): the heartbeat keeps it on this lease,
+                so a worker that crashes frees the lock within it, while a
+                queued task keeps its full TTL. ``None`` (the default) keeps the
+                full TTL throughout. The ``deduplication_running_ttl`` label
+                sets it per task; it needs the heartbeat.
             client: A ready ``redis.asyncio`` client (``Redis`` or ``RedisCluster``)
                 to use instead of ``redis_url``. The middleware does not close it.
 
@@ -142,7 +165,6 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         super().__init__()
         self._url = _check_connection(redis_url, client)
         self._client = client
-        self._owns_client = client is None
         self.default_deduplication = _check_bool("default_deduplication", default_deduplication)
         self.default_ttl = _check_int("default_ttl", default_ttl, minimum=1, maximum=MAX_TTL)
         self.key_prefix = _check_prefix(key_prefix)
@@ -151,9 +173,8 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         self.heartbeat = _check_bool("heartbeat", heartbeat)
         self.heartbeat_interval = _check_interval(heartbeat_interval, self.default_ttl)
         self.fail_open = _check_bool("fail_open", fail_open)
-        self._locks: LockStore | None = None
-        self._heartbeat: Heartbeat | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self.running_ttl = _check_running_ttl(running_ttl, self.heartbeat, self.heartbeat_interval)
+        self._states = LoopStates(self._new_client)
         # The run of a locked task in the current asyncio task: its hooks, and a
         # retry that re-sends it from inside the run, find it here.
         self._execution: contextvars.ContextVar[_Execution | None] = contextvars.ContextVar(
@@ -162,6 +183,25 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
 
     # Startup and shutdown
 
+    def set_broker(self, broker: AsyncBroker) -> None:
+        """Register on ``broker``; taskiq calls this from ``with_middlewares``.
+
+        Raises:
+            ValueError: The middleware is registered on another broker already.
+                Shutting either broker down would stop the locks of the other's
+                running tasks; give each broker a middleware of its own (with the
+                same ``redis_url`` and ``key_prefix`` they share their locks).
+        """
+        current = getattr(self, "broker", None)
+        if current is not None and current is not broker:
+            msg = (
+                f"this RedisDeduplicationMiddleware is registered on "
+                f"{type(current).__name__} already; give each broker a middleware of "
+                "its own (middlewares with the same redis_url and key_prefix share locks)"
+            )
+            raise ValueError(msg)
+        super().set_broker(broker)
+
     async def startup(self) -> None:
         """Connect to Redis, retrying with exponential backoff.
 
@@ -169,12 +209,11 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             ConnectionError: Redis did not answer a ``PING`` in any attempt;
                 the last error is chained.
         """
-        locks = self._connect()
-        client = self._redis()
+        state = await self._states.current()
         for attempt in range(self.startup_retries):
             try:
-                await client.ping()
-                await locks.load_scripts()
+                await state.client.ping()
+                await state.locks.load_scripts()
             except REDIS_ERRORS as exc:  # noqa: PERF203 (one try per attempt is the point)
                 last_error = exc
                 if attempt + 1 < self.startup_retries:
@@ -197,19 +236,12 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         raise ConnectionError(msg) from last_error
 
     async def shutdown(self) -> None:
-        """Send what is still queued (lock extensions), stop the heartbeat, disconnect."""
-        if self._locks is None:
-            return
-        if self._heartbeat is not None:
-            await self._heartbeat.stop()
-        try:
-            await self._locks.close()
-        finally:
-            self._locks = None
-            self._heartbeat = None
-            if self._owns_client and self._client is not None:
-                client, self._client = self._client, None
-                await client.aclose()
+        """Send what is still queued (lock extensions), stop the heartbeat, disconnect.
+
+        This closes what the middleware uses in the running event loop; other
+        loops' (``asyncio.run`` in a sync task, threads) close with their loops.
+        """
+        await self._states.close_current()
 
     # Send
 
@@ -228,6 +260,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             message.labels,
             default_enabled=self.default_deduplication,
             default_ttl=self.default_ttl,
+            heartbeat=self.heartbeat,
         )
         if options is None:
             labels.drop_lock_labels(message.labels)
@@ -239,15 +272,16 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         key = earlier.key if earlier is not None else self._lock_key(message, options)
         lock = Lock(key, new_token(), message.task_id, options.ttl * 1000)
         grace_ms = min(GRACE_TTL, options.ttl) * 1000
+        state = self._states.get() or await self._states.current()
         try:
-            holder = await self._connect().acquire(
+            holder = await state.locks.acquire(
                 lock, grace_ms, replaces=earlier.value if earlier is not None else ""
             )
         except REDIS_ERRORS as exc:
             if isinstance(exc, (RedisTimeoutError, asyncio.TimeoutError)):
                 # The acquire was written and may still run when Redis wakes up:
                 # undo it, so a send that failed leaves no lock behind.
-                self._connect().release_detached(lock)
+                state.locks.release_detached(lock)
             if not self.fail_open:
                 raise
             logger.warning(
@@ -259,11 +293,14 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 type(exc).__name__,
                 exc,
             )
+            if running is not None:
+                # The retry holds no lock, so nobody else will release this one.
+                running.resent = _Resent.WITHOUT_A_LOCK
             labels.drop_lock_labels(message.labels)
             return message
         except asyncio.CancelledError:
             # The acquire may still land after the caller gave up: undo it.
-            self._connect().release_detached(lock)
+            state.locks.release_detached(lock)
             raise
         if holder is not None:
             holder_id = holder_task_id(holder)
@@ -280,7 +317,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 "Retry of task %s (%s) took over lock %r", message.task_name, message.task_id, key
             )
         if running is not None:
-            running.superseded = True
+            running.resent = _Resent.WITH_THE_LOCK
             self._stop_heartbeat(running)
         labels.write_lock_labels(message.labels, key, lock.value, options.ttl)
         return message
@@ -294,7 +331,8 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         """
         lock = self._lock_of(message)
         if lock is not None and lock.ttl_ms > GRACE_TTL * 1000:
-            await self._connect().extend_detached(lock)
+            state = self._states.get() or await self._states.current()
+            await state.locks.extend_detached(lock)
 
     # Run
 
@@ -303,15 +341,18 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         lock = self._lock_of(message)
         if lock is None:
             return message
+        state = self._states.get() or await self._states.current()
         execution = _Execution(
             lock,
+            self._lease(message, lock),
             message.task_name,
+            state,
             message.labels.get(_REQUEUE_LABEL),
             message.labels.get(_RETRIES_LABEL),
         )
         self._begin(execution)
         try:
-            (reply,) = await self._connect().reassert([lock])
+            (reply,) = await state.locks.reassert([execution.lease])
         except REDIS_ERRORS as exc:
             logger.warning(
                 "Could not re-assert lock %r of task %s (%s): %s: %s",
@@ -339,8 +380,8 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 )
                 execution.owned = False
         if self.heartbeat and execution.owned:
-            execution.beat = Beat(lock, message.task_name, self._interval(lock))
-            self._beats().add(execution.beat)
+            execution.beat = Beat(execution.lease, message.task_name, self._interval(execution))
+            state.heartbeat.add(execution.beat)
         return message
 
     async def on_error(
@@ -367,20 +408,26 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         if execution is None or execution.lock.task_id != message.task_id:
             return
         self._end(execution)
-        if execution.superseded or not execution.owned:
+        if execution.resent is _Resent.WITH_THE_LOCK or not execution.owned:
             return
         lock = execution.lock
+        locks = execution.state.locks
         # Both count up before they send, and the run ends with NoResultError
-        # only once the send went through.
-        passed_on = isinstance(result.error, NoResultError) and (
-            message.labels.get(_REQUEUE_LABEL) != execution.requeues
-            or message.labels.get(_RETRIES_LABEL) != execution.retries
+        # only once the send went through. A retry sent through this middleware
+        # without a lock passed nothing on.
+        passed_on = (
+            execution.resent is None
+            and isinstance(result.error, NoResultError)
+            and (
+                message.labels.get(_REQUEUE_LABEL) != execution.requeues
+                or message.labels.get(_RETRIES_LABEL) != execution.retries
+            )
         )
         if passed_on:
-            await self._connect().extend_detached(lock)
+            await locks.extend_detached(lock)
             return
         try:
-            await self._connect().release(lock)
+            await locks.release(lock)
         except REDIS_ERRORS as exc:
             logger.warning(
                 "Could not release lock %r of task %s (%s): %s: %s; it expires in %ds",
@@ -389,7 +436,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 message.task_id,
                 type(exc).__name__,
                 exc,
-                lock.ttl_ms // 1000,
+                execution.lease.ttl_ms // 1000,
             )
 
     # The mechanics
@@ -434,8 +481,15 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             return None
         return Lock(recorded.key, recorded.token, message.task_id, recorded.ttl * 1000)
 
-    def _interval(self, lock: Lock) -> float:
-        ttl = lock.ttl_ms / 1000
+    def _lease(self, message: TaskiqMessage, lock: Lock) -> Lock:
+        """The lock as its running task keeps it: on the running lease, if there is one."""
+        seconds = labels.read_running_ttl(message.labels, default=self.running_ttl)
+        if seconds is None or seconds * 1000 >= lock.ttl_ms or not self.heartbeat:
+            return lock
+        return Lock(lock.key, lock.token, lock.task_id, seconds * 1000)
+
+    def _interval(self, execution: _Execution) -> float:
+        ttl = execution.lease.ttl_ms / 1000
         interval = self.heartbeat_interval or max(ttl / 3, 1.0)
         # A refresh less often than half the TTL would let the lock lapse.
         return min(interval, ttl / 2)
@@ -456,40 +510,29 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         except ValueError:  # ended in another context than it began in
             self._execution.set(None)
 
-    def _stop_heartbeat(self, execution: _Execution) -> None:
-        if execution.beat is not None and self._heartbeat is not None:
-            self._heartbeat.discard(execution.beat)
+    @staticmethod
+    def _stop_heartbeat(execution: _Execution) -> None:
+        if execution.beat is not None:
+            execution.state.heartbeat.discard(execution.beat)
         execution.beat = None
 
-    def _connect(self) -> LockStore:
-        """The lock store, created on first use in the running event loop."""
-        loop = asyncio.get_running_loop()
-        if self._locks is None or self._loop is not loop:
-            if self._loop is not None and self._loop is not loop and self._owns_client:
-                # Connections belong to the loop they were made in.
-                self._client = None
-            self._loop = loop
-            self._locks = LockStore(self._redis())
-            self._heartbeat = Heartbeat(self._locks)
-        return self._locks
+    def _new_client(self) -> tuple[RedisClient, bool]:
+        """The client for a new event loop's state, and whether it is the middleware's own.
 
-    def _beats(self) -> Heartbeat:
-        self._connect()
-        assert self._heartbeat is not None  # noqa: S101 (set together with the store)
-        return self._heartbeat
-
-    def _redis(self) -> RedisClient:
-        if self._client is None:
-            assert self._url is not None  # noqa: S101 (checked in __init__)
-            pool = BlockingConnectionPool.from_url(
-                self._url,
-                **_DEFAULT_TIMEOUTS,
-                # One quick retry reconnects after a dropped connection; a hung
-                # server is not retried, so a call never outlasts socket_timeout.
-                retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-            )
-            self._client = Redis.from_pool(pool)
-        return self._client
+        A client built from ``redis_url`` belongs to one loop (its connections
+        do), so each loop gets its own, closed with the loop's state.
+        """
+        if self._client is not None:
+            return self._client, False
+        assert self._url is not None  # noqa: S101 (checked in __init__)
+        pool = BlockingConnectionPool.from_url(
+            self._url,
+            **_DEFAULT_TIMEOUTS,
+            # One quick retry reconnects after a dropped connection; a hung
+            # server is not retried, so a call never outlasts socket_timeout.
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+        )
+        return Redis.from_pool(pool), True
 
 
 def _current_task() -> asyncio.Task[Any]:
@@ -556,6 +599,22 @@ def _check_prefix(value: object) -> str:
         msg = f"key_prefix must be a non-empty string, not {value!r}"
         raise ValueError(msg)
     return value
+
+
+def _check_running_ttl(value: object, heartbeat: bool, interval: float | None) -> int | None:  # noqa: FBT001 (checked options, passed on)
+    if value is None:
+        return None
+    seconds = _check_int("running_ttl", value, minimum=1, maximum=MAX_TTL)
+    if not heartbeat:
+        msg = "running_ttl needs the heartbeat: a lease nobody refreshes lapses mid-run"
+        raise ValueError(msg)
+    if interval is not None and interval >= seconds:
+        msg = (
+            f"heartbeat_interval ({interval}s) must be shorter than running_ttl "
+            f"({seconds}s), or the lease expires between refreshes"
+        )
+        raise ValueError(msg)
+    return seconds
 
 
 def _check_interval(value: object, default_ttl: int) -> float | None:

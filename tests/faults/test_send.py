@@ -294,6 +294,6 @@ async def test_a_list_queue_broker_on_a_dead_port_leaves_at_most_a_grace_lock(
 
 
 def _connection_option(middleware: RedisDeduplicationMiddleware, name: str) -> object:
-    client = middleware._redis()
+    client, _ = middleware._new_client()
     assert isinstance(client, Redis)
     return client.connection_pool.connection_kwargs[name]
