@@ -568,3 +568,75 @@ async def test_lock_labels_copied_onto_another_task_do_not_carry_its_lock(
     assert child_lock.endswith(queued_child.task_id)
     assert not child_lock.endswith(parent_handle.task_id)
     assert parent_lock.endswith(parent_handle.task_id)
+
+
+# A running lease (running_ttl): the full TTL while queued, a short one while running.
+
+
+async def test_a_running_lease_holds_the_lock_while_the_task_runs_and_no_longer_queued(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker, default_ttl=300, running_ttl=2)
+    left_while_running: list[int] = []
+
+    @broker.task
+    async def job() -> None:
+        (key,) = await lock_keys(redis_client, prefix)
+        left_while_running.append(await redis_client.pttl(key))
+        await asyncio.sleep(2.6)  # past the lease: only the heartbeat keeps the lock
+        left_while_running.append(await redis_client.pttl(key))
+
+    handle = await job.kiq()
+    (key,) = await lock_keys(redis_client, prefix)
+
+    async def queued_with_its_full_ttl() -> bool:
+        return await redis_client.pttl(key) > 290_000
+
+    await wait_until(queued_with_its_full_ttl)
+    running = asyncio.create_task(broker.deliver())
+    await asyncio.sleep(2.3)
+    with pytest.raises(DuplicateTaskError) as refused:
+        await job.kiq()
+    assert refused.value.holder_task_id == handle.task_id
+    await running
+    assert len(left_while_running) == 2
+    assert all(0 < left <= 2000 for left in left_while_running), left_while_running
+    assert await lock_keys(redis_client, prefix) == []
+
+
+async def test_the_running_ttl_label_sets_the_lease_per_task_and_never_lengthens_a_lock(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(default_ttl=300)
+    left: dict[str, int] = {}
+
+    async def remember(name: str) -> None:
+        (key,) = await lock_keys(redis_client, prefix)
+        left[name] = await redis_client.pttl(key)
+
+    @broker.task(deduplication_running_ttl=3)
+    async def leased() -> None:
+        await remember("leased")
+
+    @broker.task(deduplication_running_ttl=60, deduplication_ttl=5)
+    async def short() -> None:
+        await remember("short")  # a lease longer than the TTL: the TTL stays
+
+    await (await leased.kiq()).wait_result(timeout=5)
+    await (await short.kiq()).wait_result(timeout=5)
+    assert 0 < left["leased"] <= 3000
+    assert 0 < left["short"] <= 5000
+    assert await lock_keys(redis_client, prefix) == []
+
+
+async def test_a_running_ttl_label_without_the_heartbeat_is_refused_at_kiq(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(heartbeat=False)
+
+    @broker.task(deduplication_running_ttl=10)
+    async def job() -> None: ...
+
+    with pytest.raises(ValueError, match="deduplication_running_ttl"):
+        await job.kiq()
+    assert await lock_keys(redis_client, prefix) == []

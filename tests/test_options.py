@@ -26,6 +26,7 @@ def test_defaults_are_the_documented_ones() -> None:
     assert middleware.heartbeat is True
     assert middleware.heartbeat_interval is None
     assert middleware.fail_open is False
+    assert middleware.running_ttl is None
 
 
 @pytest.mark.parametrize(
@@ -178,4 +179,3 @@ async def test_hooks_work_without_startup(redis_url: str, prefix: str) -> None:
     await job.kiq()
     await broker.deliver()
     await broker.shutdown()
-

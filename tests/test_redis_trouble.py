@@ -13,7 +13,13 @@ from typing import Any
 
 import pytest
 import redis.asyncio
-from taskiq import BrokerMessage
+from taskiq import (
+    BrokerMessage,
+    InMemoryBroker,
+    SimpleRetryMiddleware,
+    TaskiqMessage,
+    TaskiqMiddleware,
+)
 
 from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
 from tests._brokers import HoldingBroker
@@ -226,3 +232,106 @@ async def test_an_event_loop_of_its_own_for_each_run() -> None:
         await client.aclose()
     finally:
         server.cleanup()
+
+
+class _RefuseScriptsForRetries(TaskiqMiddleware):
+    """Takes the scripts from the middleware's Redis user while a retry is sent.
+
+    Placed before the deduplication middleware, its ``pre_send`` runs before the
+    retry's acquire and its ``post_send`` after it: that one acquire fails with a
+    Redis error (no permission), and Redis works again for everything after it.
+    """
+
+    def __init__(self, admin: redis.asyncio.Redis, user: str) -> None:
+        super().__init__()
+        self.admin = admin
+        self.user = user
+        self.refused = 0
+
+    async def pre_send(self, message: TaskiqMessage) -> TaskiqMessage:
+        if "_retries" in message.labels:
+            self.refused += 1
+            await self.admin.acl_setuser(self.user, commands=["-evalsha", "-eval"])
+        return message
+
+    async def post_send(self, message: TaskiqMessage) -> None:
+        await self.admin.acl_setuser(self.user, commands=["+evalsha", "+eval"])
+
+
+@pytest.mark.parametrize("retry_first", [True, False], ids=["retry-first", "dedup-first"])
+async def test_a_fail_open_retry_that_went_out_without_a_lock_frees_the_old_one(
+    server: Server, retry_first: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    admin = redis.asyncio.Redis.from_url(server.url, decode_responses=True)
+    await admin.acl_setuser(
+        "dedup", enabled=True, passwords=["+secret"], keys=["*"], commands=["+@all"]
+    )
+    refuse = _RefuseScriptsForRetries(admin, "dedup")
+    url = server.url.replace("redis://", "redis://dedup:secret@", 1) + FAST
+    dedup = RedisDeduplicationMiddleware(redis_url=url, default_ttl=120, fail_open=True)
+    retry = SimpleRetryMiddleware(default_retry_count=3)
+    # A held queue, as a real broker is: each run starts in a context of its own.
+    broker = HoldingBroker().with_middlewares(
+        *([retry, refuse, dedup] if retry_first else [refuse, dedup, retry])
+    )
+    runs: list[str] = []
+
+    @broker.task(retry_on_error=True)
+    async def job(n: int) -> None:
+        runs.append("run")
+        if len(runs) == 1:
+            raise RuntimeError("the first attempt fails")
+
+    await broker.startup()
+    try:
+        await job.kiq(n=1)
+        with caplog.at_level(logging.WARNING, logger="taskiq_deduplication"):
+            await broker.receiver.callback(message=broker.queued.pop(0).message)
+        assert refuse.refused == 1
+        assert "sending it without a lock (fail_open)" in caplog.text
+        assert len(broker.queued) == 1  # the retry, queued without a lock
+        # The first attempt released its own lock, since the retry holds none:
+        # nothing is left to refuse the next call for two minutes.
+        assert await admin.keys("taskiq:deduplication:*") == []
+        await broker.deliver()
+        assert runs == ["run", "run"]
+        await job.kiq(n=1)
+    finally:
+        await broker.shutdown()
+        await admin.aclose()
+
+
+async def test_a_fail_open_retry_run_in_memory_leaves_the_first_run_to_itself(
+    server: Server,
+) -> None:
+    # InMemoryBroker starts the retry from inside the failing run, so the retry's
+    # run inherits a copy of its context: it must not take the first run for its own.
+    admin = redis.asyncio.Redis.from_url(server.url, decode_responses=True)
+    await admin.acl_setuser(
+        "dedup", enabled=True, passwords=["+secret"], keys=["*"], commands=["+@all"]
+    )
+    refuse = _RefuseScriptsForRetries(admin, "dedup")
+    url = server.url.replace("redis://", "redis://dedup:secret@", 1) + FAST
+    dedup = RedisDeduplicationMiddleware(redis_url=url, default_ttl=120, fail_open=True)
+    broker = InMemoryBroker().with_middlewares(
+        SimpleRetryMiddleware(default_retry_count=3), refuse, dedup
+    )
+    runs: list[str] = []
+
+    @broker.task(retry_on_error=True)
+    async def job(n: int) -> None:
+        runs.append("run")
+        await asyncio.sleep(0.05)  # the retry's run starts before this one ends
+        if len(runs) == 1:
+            raise RuntimeError("the first attempt fails")
+
+    await broker.startup()
+    try:
+        await job.kiq(n=1)
+        while broker._running_tasks:
+            await broker.wait_all()  # raises if a hook of either run raised
+        assert runs == ["run", "run"]
+        assert await admin.keys("taskiq:deduplication:*") == []
+    finally:
+        await broker.shutdown()
+        await admin.aclose()

@@ -94,6 +94,8 @@ class _Execution:
     owned: bool = True
     ended: bool = False
     resent: _Resent | None = None
+    task: asyncio.Task[Any] | None = field(default=None, repr=False)
+    """The asyncio task the run began in."""
     context: Any = field(default=None, repr=False)
     """The token that restores the execution context variable."""
     on_task_done: Any = field(default=None, repr=False)
@@ -265,7 +267,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         if options is None:
             labels.drop_lock_labels(message.labels)
             return message
-        running = self._running_attempt(message.task_id)
+        running = self._current_run(message.task_id)
         # A retry re-sends an earlier attempt: from inside its run, or later (from a
         # schedule source) with the attempt's lock labels copied onto the message.
         earlier = running.lock if running is not None else self._lock_of(message)
@@ -391,8 +393,8 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         exception: BaseException,  # noqa: ARG002
     ) -> None:
         """Stop the heartbeat: the task itself is over. The lock goes in ``post_execute``."""
-        execution = self._execution.get()
-        if execution is not None and execution.lock.task_id == message.task_id:
+        execution = self._current_run(message.task_id)
+        if execution is not None:
             self._stop_heartbeat(execution)
 
     async def post_execute(self, message: TaskiqMessage, result: TaskiqResult[Any]) -> None:
@@ -404,8 +406,8 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         to a schedule source (the retry middleware counted the attempt and
         dropped this run's result, but no send passed through here).
         """
-        execution = self._execution.get()
-        if execution is None or execution.lock.task_id != message.task_id:
+        execution = self._current_run(message.task_id)
+        if execution is None:
             return
         self._end(execution)
         if execution.resent is _Resent.WITH_THE_LOCK or not execution.owned:
@@ -468,10 +470,20 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 )
         return f"{self.key_prefix}:{fields_fingerprint(message.task_name, present)}"
 
-    def _running_attempt(self, task_id: str) -> _Execution | None:
-        """The run this send re-sends (a retry from inside it), if any."""
+    def _current_run(self, task_id: str) -> _Execution | None:
+        """The run of ``task_id`` that this asyncio task is in, if any.
+
+        The hooks of a run, and a retry it sends of itself, find it here. A task
+        started from inside a run (an in-memory broker delivering a retry) gets
+        a copy of the context, and with it a run that is not its own.
+        """
         execution = self._execution.get()
-        if execution is not None and execution.lock.task_id == task_id and not execution.ended:
+        if (
+            execution is not None
+            and execution.lock.task_id == task_id
+            and not execution.ended
+            and execution.task is asyncio.current_task()
+        ):
             return execution
         return None
 
@@ -499,12 +511,14 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         # If a later hook of another middleware raises, post_execute never runs;
         # the end of the asyncio task still ends the heartbeat.
         execution.on_task_done = lambda _: self._stop_heartbeat(execution)
-        _current_task().add_done_callback(execution.on_task_done)
+        execution.task = _current_task()
+        execution.task.add_done_callback(execution.on_task_done)
 
     def _end(self, execution: _Execution) -> None:
         execution.ended = True
         self._stop_heartbeat(execution)
-        _current_task().remove_done_callback(execution.on_task_done)
+        if execution.task is not None:
+            execution.task.remove_done_callback(execution.on_task_done)
         try:
             self._execution.reset(execution.context)
         except ValueError:  # ended in another context than it began in

@@ -84,6 +84,7 @@ class Config:
     nats_url: str = "nats://127.0.0.1:4222"
     default_ttl: int = 30
     heartbeat_interval: float | None = 0.5
+    running_ttl: int | None = None
     retry: str = ""
     schedule: str = ""
 
@@ -286,6 +287,7 @@ def build_broker(config: Config) -> tuple[AsyncBroker, Tasks]:
         default_ttl=config.default_ttl,
         key_prefix=config.lock_prefix,
         heartbeat_interval=config.heartbeat_interval,
+        running_ttl=config.running_ttl,
         startup_retries=1,
     )
     middlewares: list[TaskiqMiddleware] = [dedup]

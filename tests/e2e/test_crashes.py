@@ -73,6 +73,75 @@ async def test_killed_worker_on_rabbitmq_is_redelivered_under_the_same_lock(
     assert await app.locks() == {}
 
 
+# A running lease: the queued task keeps the full TTL, the running one a short lease.
+
+LONG_TTL = 300  # the spec's default: a crash without a lease blocks calls this long
+LEASE = 2
+
+
+@pytest.mark.parametrize("broker", ["redis-list", "redis-stream"])
+async def test_killed_worker_with_a_running_lease_frees_the_lock_within_the_lease(
+    launch: Launch, broker: str
+) -> None:
+    app = await launch(
+        broker=broker, default_ttl=LONG_TTL, heartbeat_interval=0.5, running_ttl=LEASE
+    )
+    handle = await app.tasks.hold.kiq(tag="k")
+    key = await app.lock_of(handle.task_id)
+    assert key is not None
+
+    async def full_ttl() -> bool:  # queued: the extension after the send gives it all
+        return await app.redis.pttl(key) > (LONG_TTL - 10) * 1000
+
+    await app.wait_until(full_ttl, "the queued task's lock to get its full TTL")
+    app.start_worker()
+    [run] = await app.wait_started("k")
+    assert 0 < await app.redis.pttl(key) <= LEASE * 1000  # running: the lease
+    await app.wait_refreshed(key, LEASE)  # kept alive past the lease while it runs
+    await app.assert_duplicate(app.tasks.hold, handle.task_id, tag="k")
+
+    os.kill(run["pid"], signal.SIGKILL)
+
+    async def dead() -> bool:
+        return not is_alive(run["pid"])
+
+    await app.wait_until(dead, "the worker process to die")
+    # Freed within the lease of the kill, not the 300 s TTL.
+    await app.watch_expire(key, LEASE)
+    again = await app.tasks.hold.kiq(tag="k")
+    await app.open_gate("k")
+    assert (await again.wait_result(timeout=20)).return_value["run"] == 2
+    assert await app.locks() == {}
+
+
+async def test_killed_worker_on_rabbitmq_with_a_running_lease_is_redelivered_once(
+    launch: Launch,
+) -> None:
+    app = await launch(
+        broker="rabbitmq", default_ttl=LONG_TTL, heartbeat_interval=0.5, running_ttl=LEASE
+    )
+    handle = await app.tasks.hold.kiq(tag="k")
+    app.start_worker()
+    [first] = await app.wait_started("k")
+    key = await app.lock_of(handle.task_id)
+    assert key is not None
+
+    os.kill(first["pid"], signal.SIGKILL)
+    # RabbitMQ hands the unacknowledged message to the other worker process at
+    # once: it runs under the same lock (re-asserted on the lease, or taken back
+    # if the lease had lapsed), is not refused, and runs exactly once more.
+    second = (await app.wait_started("k", runs=2))[1]
+    assert second["task_id"] == handle.task_id
+    assert second["pid"] != first["pid"]
+    await app.wait_refreshed(key, LEASE)
+    assert (await app.holders()).get(key) == handle.task_id
+    await app.assert_duplicate(app.tasks.hold, handle.task_id, tag="k")
+
+    await app.open_gate("k")
+    assert (await handle.wait_result(timeout=20)).return_value["run"] == 2
+    assert await app.locks() == {}
+
+
 @pytest.mark.parametrize("broker", ["redis-list", "rabbitmq", "nats"])
 async def test_stopped_worker_finishes_the_running_task_then_releases_its_lock(
     launch: Launch, broker: str

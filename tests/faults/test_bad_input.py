@@ -63,6 +63,13 @@ _OPTION_CASES: list[tuple[str, dict[str, Any]]] = [
     ("fail_open", {"fail_open": "no"}),
     ("fail_open", {"fail_open": 1}),
     ("fail_open", {"fail_open": None}),
+    ("running_ttl", {"running_ttl": 0}),
+    ("running_ttl", {"running_ttl": -1}),
+    ("running_ttl", {"running_ttl": 1.5}),
+    ("running_ttl", {"running_ttl": "15"}),
+    ("running_ttl", {"running_ttl": True}),
+    ("running_ttl", {"running_ttl": 15, "heartbeat": False}),  # nobody keeps the lease
+    ("running_ttl", {"running_ttl": 5, "heartbeat_interval": 5}),  # lapses between beats
 ]
 
 
@@ -134,6 +141,12 @@ _LABEL_CASES: list[tuple[str, object]] = [
     ("deduplication_key_fields", "['a'] + ['b']"),
     ("deduplication_key_fields", None),
     ("deduplication_key_fields", 7),
+    ("deduplication_running_ttl", "abc"),
+    ("deduplication_running_ttl", 0),
+    ("deduplication_running_ttl", "-5"),
+    ("deduplication_running_ttl", 1.5),
+    ("deduplication_running_ttl", True),
+    ("deduplication_running_ttl", None),
 ]
 
 
