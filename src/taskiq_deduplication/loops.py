@@ -94,6 +94,8 @@ class LoopStates:
         state = LoopState(loop, client, owned, locks, Heartbeat(locks))
         state.closer = self._close_with_loop(state)
         # Advancing it to its yield registers it with the loop's shutdown_asyncgens().
+        # It reaches the yield without suspending, so no other caller in this loop
+        # can make a second state in between.
         await state.closer.__anext__()
         self._states[loop] = state
         return state
