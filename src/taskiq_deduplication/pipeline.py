@@ -211,7 +211,8 @@ class Pipeline:
         )
         if not self._busy and self._transport.writes_ahead and self._transport.ready:
             self._busy = True
-            calls = self._take_batch(loop.time())
+            # All that is queued: its replies are read in one go with the next batch.
+            calls = self._take_batch(loop.time(), len(self._queue))
             for call in calls:
                 call.written = True
             try:
@@ -354,7 +355,7 @@ class Pipeline:
         elif not call.future.done():
             call.future.set_exception(self._timeout(call))
 
-    def _take_batch(self, now: float) -> list[_Call]:
+    def _take_batch(self, now: float, most: int = _MAX_BATCH) -> list[_Call]:
         """The next calls to send, in order, without those that expired unsent.
 
         A call dropped here never ran in Redis, so leaving it out keeps the
@@ -364,7 +365,7 @@ class Pipeline:
         """
         queue = self._queue
         batch: list[_Call] = []
-        while queue and len(batch) < _MAX_BATCH:
+        while queue and len(batch) < most:
             call = queue.popleft()
             if call.deadline <= now and not call.written:
                 self._drop_expired(call)
