@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Most commands in one batch.
+# Most calls in one batch (a write-ahead takes all that is queued, up to MAX_QUEUED).
 _MAX_BATCH: Final = 512
 # Most calls waiting to be sent; more would only wait past their deadline.
 MAX_QUEUED: Final = 10_000
