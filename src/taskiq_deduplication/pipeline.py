@@ -149,6 +149,10 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         self._admit(_Call(script, keys, args, future, loop.time() + self.timeout), loop)
+        # Sent from this task only over a connection that is open already: the
+        # write follows the call at once and redis-py reads within socket_timeout,
+        # so this caller is done by about its deadline. A (re)connect can take a
+        # connect timeout and then a socket timeout: the background sender's job.
         if not self._busy and self._transport.ready:
             try:
                 await self._send_batch(inline=True)
