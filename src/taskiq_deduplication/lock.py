@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING, Final
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 
-from taskiq_deduplication.pipeline import Pipeline, ScriptCall, text
+from taskiq_deduplication.pipeline import (
+    MAX_QUEUED,
+    CallTimeoutError,
+    Pipeline,
+    ScriptCall,
+    text,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -36,6 +42,11 @@ REDIS_ERRORS: Final = (RedisError, RedisClusterException, OSError, asyncio.Timeo
 
 # Most locks in one re-assert call.
 _MAX_KEYS_PER_REASSERT: Final = 500
+# How long a lock call may wait for its reply when the client sets no socket timeout.
+_DEFAULT_TIMEOUT: Final = 5.0
+# A lock extension or the undo of an acquire that goes out later than the grace
+# TTL after it was made finds its lock expired already: it is not sent then.
+_DETACHED_TIMEOUT: Final = 10.0
 
 
 def new_token() -> str:
@@ -85,14 +96,24 @@ class LockStore:
     """The lock operations, each one owner-checked Lua script, sent in batches."""
 
     def __init__(self, client: RedisClient) -> None:
-        """Register the scripts on ``client``; nothing is sent yet."""
+        """Register the scripts on ``client``; nothing is sent yet.
+
+        Every call waits for its reply at most the client's ``socket_timeout``
+        (5 seconds if it has none), counted from the moment it is made.
+        """
         self._acquire = _load_script(client, "acquire")
         self._extend = _load_script(client, "extend")
         self._release = _load_script(client, "release")
         self._reassert = _load_script(client, "reassert")
         self._pipeline = Pipeline(
-            client, (self._acquire, self._extend, self._release, self._reassert)
+            client,
+            (self._acquire, self._extend, self._release, self._reassert),
+            timeout=call_timeout(client),
+            detached_timeout=_DETACHED_TIMEOUT,
         )
+        # Owner tokens of acquires that timed out before they were sent: they
+        # never ran, so the release that would undo one has nothing to undo.
+        self._never_sent: dict[str, None] = {}
         # A multi-key script must stay in one hash slot on a cluster.
         self._keys_per_reassert = 1 if isinstance(client, RedisCluster) else _MAX_KEYS_PER_REASSERT
 
@@ -112,9 +133,16 @@ class LockStore:
         Returns:
             ``None`` when the lock is taken, else the value of the current holder.
         """
-        reply = await self._pipeline.call(
-            self._acquire, [lock.key], [lock.token, lock.task_id, ttl_ms, replaces]
-        )
+        try:
+            reply = await self._pipeline.call(
+                self._acquire, [lock.key], [lock.token, lock.task_id, ttl_ms, replaces]
+            )
+        except CallTimeoutError as exc:
+            if not exc.sent:
+                if len(self._never_sent) >= MAX_QUEUED:  # nobody undid the oldest
+                    del self._never_sent[next(iter(self._never_sent))]
+                self._never_sent[lock.token] = None
+            raise
         return None if reply is None else text(reply)
 
     async def extend_detached(self, lock: Lock) -> None:
@@ -128,7 +156,15 @@ class LockStore:
         )
 
     def release_detached(self, lock: Lock) -> None:
-        """Release ``lock`` if still owned, soon, without waiting for the reply."""
+        """Release ``lock`` if still owned, soon, without waiting for the reply.
+
+        Nothing is sent when it would undo an acquire that never left this
+        process (one that timed out in the queue during an outage): after an
+        outage, Redis gets only the releases that can matter.
+        """
+        if lock.token in self._never_sent:
+            del self._never_sent[lock.token]
+            return
         self._pipeline.queue(self._release, [lock.key], [lock.token], f"release lock {lock.key!r}")
 
     async def release(self, lock: Lock) -> bool:
@@ -163,6 +199,21 @@ class LockStore:
             outcomes[index] = reply if isinstance(reply, int) else text(reply)
         return outcomes
 
+    @property
+    def backlog(self) -> int:
+        """The number of lock calls waiting to be sent to Redis."""
+        return self._pipeline.queued
+
     async def close(self) -> None:
         """Send what is queued and give the connection back; the client stays open."""
         await self._pipeline.close()
+
+
+def call_timeout(client: RedisClient) -> float:
+    """How long a lock call waits for its reply: the client's ``socket_timeout``."""
+    if isinstance(client, RedisCluster):
+        kwargs = client.nodes_manager.connection_kwargs
+    else:
+        kwargs = client.connection_pool.connection_kwargs
+    timeout = kwargs.get("socket_timeout")
+    return float(timeout) if timeout else _DEFAULT_TIMEOUT

@@ -42,7 +42,7 @@ USER = "dedup"
 PASSWORD = "pw-" + uuid.uuid4().hex
 
 #: Every command the middleware sends, or its scripts run.
-MINIMAL_COMMANDS = ("ping", "script|load", "evalsha", "get", "set", "pexpire", "del")
+MINIMAL_COMMANDS = ("ping", "script|load", "evalsha", "eval", "get", "set", "pexpire", "del")
 
 
 def minimal_acl(key_prefix: str, commands: tuple[str, ...] = MINIMAL_COMMANDS) -> list[str]:

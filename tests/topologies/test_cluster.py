@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+import redis
 from redis.asyncio.cluster import RedisCluster
 from taskiq import InMemoryBroker, SimpleRetryMiddleware, TaskiqMiddleware
 
@@ -175,3 +178,35 @@ async def test_fail_open_when_the_whole_cluster_is_down(
     await strict_broker.shutdown()
     await lenient_broker.shutdown()
     await client.aclose()
+
+
+async def test_script_caches_lost_during_a_burst_fail_no_kiq(
+    cluster: Cluster, client: RedisCluster, prefix: str
+) -> None:
+    broker = await started(client, prefix)
+
+    @broker.task
+    async def job(n: int) -> None: ...
+
+    # Every primary loses its scripts again and again, whatever our loop does.
+    stop = threading.Event()
+
+    def flush() -> None:
+        nodes = [redis.Redis(port=node.port, socket_timeout=2) for node in cluster.nodes]
+        while not stop.is_set():
+            for node in nodes:
+                node.script_flush()
+            time.sleep(0.001)
+        for node in nodes:
+            node.close()
+
+    flusher = threading.Thread(target=flush)
+    flusher.start()
+    try:
+        results = await asyncio.gather(*(job.kiq(n=n) for n in range(1000)), return_exceptions=True)
+    finally:
+        stop.set()
+        flusher.join()
+    assert [r for r in results if isinstance(r, BaseException)] == []
+    assert len(await keys_under(client, prefix)) == 1000
+    await broker.shutdown()

@@ -1,0 +1,281 @@
+"""The lock pipeline under a hung Redis, a shutdown cut short and a lost script cache.
+
+A hung server is a paused one (SIGSTOP): connections stay open, nothing answers.
+The bounds asserted here are the behaviour itself (every ``kiq`` ends within its
+timeout plus a margin), so they are wall-clock bounds with generous margins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis.asyncio
+import redis.exceptions
+from taskiq import BrokerMessage, InMemoryBroker
+
+from taskiq_deduplication import RedisDeduplicationMiddleware
+from taskiq_deduplication.lock import Lock, LockStore
+from tests._server import Server
+from tests.faults._harness import LogRecords, admin, lock_keys, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+TIMEOUT = 0.5
+HUNG_URL = f"?socket_timeout={TIMEOUT}&socket_connect_timeout={TIMEOUT}"
+# What a kiq may take beyond its timeout: the timer's turn in a busy event loop
+# on a shared, noisy machine. Before the deadlines, the 3,000 calls took ~4 s.
+MARGIN = 1.0
+# An undo release or the grace TTL (10 s) removes the lock of a failed send.
+GRACE = 10.0
+
+
+class SinkBroker(InMemoryBroker):
+    """Accepts every message and runs none: only the send path is exercised."""
+
+    async def kick(self, message: BrokerMessage) -> None:
+        pass
+
+
+def backlog(middleware: RedisDeduplicationMiddleware) -> int:
+    """How many lock calls wait to be sent to Redis."""
+    return middleware._connect().backlog
+
+
+@pytest.fixture
+def debug_server() -> Iterator[Server]:
+    """A server of this test's own that accepts DEBUG SLEEP from loopback."""
+    own = Server(extra_args=("--enable-debug-command", "local")).start()
+    try:
+        yield own
+    finally:
+        own.cleanup()
+
+
+# Defect 5: a hung Redis
+
+
+async def test_every_kiq_against_a_hung_redis_ends_within_its_timeout(
+    server: Server, prefix: str
+) -> None:
+    middleware = RedisDeduplicationMiddleware(server.url + HUNG_URL, key_prefix=prefix)
+    broker = SinkBroker().with_middlewares(middleware)
+    await broker.startup()
+
+    @broker.task
+    async def job(n: int) -> None: ...
+
+    await job.kiq(n=-1)  # connected, scripts loaded
+    latencies: list[float] = []
+    errors: list[BaseException] = []
+
+    async def one(n: int) -> None:
+        started = time.monotonic()
+        try:
+            await job.kiq(n=n)
+        except redis.exceptions.TimeoutError as exc:
+            errors.append(exc)
+        latencies.append(time.monotonic() - started)
+
+    server.pause()
+    try:
+        await asyncio.gather(*(one(n) for n in range(3000)))
+    finally:
+        server.resume()
+    assert len(errors) == 3000  # each one timed out, none was sent
+    assert max(latencies) < TIMEOUT + MARGIN, f"{min(latencies):.2f}-{max(latencies):.2f}s"
+    assert backlog(middleware) < 100  # the expired calls are gone
+
+    await job.kiq(n=3000)  # works again once Redis does
+    with admin(server.port) as client:
+        # The acquires that went out before the pause ran when Redis woke up;
+        # their undo releases follow (or their grace TTL ends them).
+        await wait_until(lambda: _only(client, prefix, 2), timeout=GRACE + 5)
+    await broker.shutdown()
+
+
+async def test_a_stream_of_kiqs_during_an_outage_keeps_latency_and_backlog_bounded(
+    server: Server, prefix: str
+) -> None:
+    middleware = RedisDeduplicationMiddleware(
+        server.url + HUNG_URL, key_prefix=prefix, fail_open=True
+    )
+    broker = SinkBroker().with_middlewares(middleware)
+    await broker.startup()
+
+    @broker.task
+    async def job(n: int) -> None: ...
+
+    await job.kiq(n=-1)
+    latencies: list[float] = []
+    peak_backlog = 0
+
+    async def one(n: int) -> None:
+        started = time.monotonic()
+        await job.kiq(n=n)  # fail_open: goes out without a lock, never raises
+        latencies.append(time.monotonic() - started)
+
+    rate, pause = 1000, 4.0  # kiqs per second, seconds of outage
+    sending: list[asyncio.Task[None]] = []
+    server.pause()
+    try:
+        for tick in range(int(pause * 10)):
+            sending += [asyncio.create_task(one(tick * 100 + i)) for i in range(rate // 10)]
+            await asyncio.sleep(0.1)
+            peak_backlog = max(peak_backlog, backlog(middleware))
+        await asyncio.gather(*sending)
+    finally:
+        server.resume()
+    # The queue holds about one timeout's worth of calls; without deadlines it
+    # grew by half the rate every second (~2,000 after 4 s).
+    assert peak_backlog <= 2 * rate * TIMEOUT, peak_backlog
+    assert max(latencies) < TIMEOUT + MARGIN, f"{min(latencies):.2f}-{max(latencies):.2f}s"
+
+    await job.kiq(n=-2)  # works again
+    with admin(server.port) as client:
+        await wait_until(lambda: _only(client, prefix, 2), timeout=GRACE + 5)
+    await broker.shutdown()
+
+
+async def _only(client: redis.Redis, prefix: str, count: int) -> bool:
+    """Whether just the ``count`` locks of the sends that succeeded are left."""
+    return len(lock_keys(client, prefix)) == count
+
+
+async def test_a_full_backlog_fails_a_kiq_at_once_with_a_redis_error(
+    server: Server, prefix: str, logs: LogRecords
+) -> None:
+    middleware = RedisDeduplicationMiddleware(
+        server.url + "?socket_timeout=5", key_prefix=prefix, fail_open=True
+    )
+    broker = SinkBroker().with_middlewares(middleware)
+    await broker.startup()
+
+    @broker.task
+    async def job(n: int) -> None: ...
+
+    await job.kiq(n=-1)
+    server.pause()
+    try:
+        waiting = [asyncio.ensure_future(job.kiq(n=n)) for n in range(10_050)]
+        await asyncio.sleep(0.5)  # all of them queued, none answered
+        started = time.monotonic()
+        await job.kiq(n=-2)  # fails open at once instead of waiting 5 s
+        assert time.monotonic() - started < 1.0
+        assert logs.warnings("the Redis backlog is full")
+    finally:
+        server.resume()
+    await asyncio.gather(*waiting)
+    await broker.shutdown()
+
+
+# Defect 6: a shutdown cut short
+
+
+async def test_a_shutdown_cut_short_leaves_the_applications_client_working(
+    debug_server: Server, prefix: str, logs: LogRecords
+) -> None:
+    own_client = redis.asyncio.Redis.from_url(debug_server.url, decode_responses=True)
+    other = redis.asyncio.Redis.from_url(debug_server.url, decode_responses=True)
+    await own_client.set("app:key", "app-value")
+    middleware = RedisDeduplicationMiddleware(client=own_client, key_prefix=prefix)
+    broker = SinkBroker().with_middlewares(middleware)
+    await broker.startup()
+    sleeping: list[asyncio.Task[object]] = []
+
+    @broker.task
+    async def job() -> None: ...
+
+    async def busy_redis(message: BrokerMessage) -> None:
+        # Redis is busy when post_send writes the extension: its reply is pending.
+        command = other.execute_command("DEBUG", "SLEEP", "0.5")  # type: ignore[no-untyped-call]
+        sleeping.append(asyncio.create_task(command))
+        await asyncio.sleep(0.05)
+
+    broker.kick = busy_redis  # type: ignore[method-assign]
+    await job.kiq()
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(middleware.shutdown(), 0.1)  # a worker's shutdown timeout
+
+    # The application's own commands, on the client it lent to the middleware.
+    replies = await asyncio.gather(*(own_client.get("app:key") for _ in range(3)))
+    assert replies == ["app-value"] * 3
+    await asyncio.gather(*sleeping)
+    await asyncio.sleep(0.1)  # the cancelled read is over; nothing is released twice
+    assert await own_client.get("app:key") == "app-value"
+    assert [m for m in logs.messages(logging.WARNING) if "Could not" in m] == []
+    await own_client.aclose()
+    await other.aclose()
+
+
+# Defect 7: the script cache lost while calls are on the way
+
+
+async def test_a_release_that_overtook_a_failed_reassert_still_ends_the_lock(
+    server: Server,
+) -> None:
+    client = redis.asyncio.Redis.from_url(server.url)
+    store = LockStore(client)
+    await store.load_scripts()
+    running = Lock("t:running", "tokL", "taskL", 60_000)  # a task that now ends
+    sent = Lock("t:sent", "tokK", "taskK", 60_000)  # a task just sent
+    other = Lock("t:other", "tokX", "taskX", 60_000)
+    with admin(server.port) as admin_client:
+        admin_client.set(running.key, running.value, px=60_000)
+        # A heartbeat tick queues the re-assert while a batch is on the wire...
+        tick = asyncio.ensure_future(store.reassert([running]))
+        await store.acquire(other, 10_000)
+        # ...the server loses its scripts, and post_send writes the queue ahead.
+        admin_client.script_flush()
+        await store.extend_detached(sent)
+        # Both reach Redis and fail with NOSCRIPT; nothing else may run meanwhile.
+        time.sleep(0.05)  # noqa: ASYNC251
+        for script in store._pipeline.scripts:  # another process reloads them
+            admin_client.script_load(script.script)
+        # The task ends: its release goes with the next batch, and runs.
+        assert await store.release(running)
+        assert await tick == [2]  # run again after the release, in order
+        assert admin_client.get(running.key) is None
+    await store.close()
+    await client.aclose()
+
+
+async def test_a_script_cache_lost_again_and_again_during_a_burst_fails_no_kiq(
+    server: Server, prefix: str
+) -> None:
+    middleware = RedisDeduplicationMiddleware(server.url, key_prefix=prefix)
+    broker = SinkBroker().with_middlewares(middleware)
+    await broker.startup()
+
+    @broker.task
+    async def job(n: int) -> None: ...
+
+    # Another process flushes the scripts in a tight loop, whatever our event
+    # loop does, so that some flushes land during a recovery from the last one.
+    stop = threading.Event()
+    flushes = 0
+
+    def flush() -> None:
+        nonlocal flushes
+        with admin(server.port) as client:
+            while not stop.is_set():
+                client.script_flush()
+                flushes += 1
+                time.sleep(0.0005)
+
+    flusher = threading.Thread(target=flush)
+    flusher.start()
+    try:
+        results = await asyncio.gather(*(job.kiq(n=n) for n in range(2000)), return_exceptions=True)
+    finally:
+        stop.set()
+        flusher.join()
+    assert [r for r in results if isinstance(r, BaseException)] == []
+    assert flushes >= 2
+    with admin(server.port) as client:
+        assert len(lock_keys(client, prefix)) == 2000
+    await broker.shutdown()
