@@ -43,7 +43,9 @@ class SinkBroker(InMemoryBroker):
 
 def backlog(middleware: RedisDeduplicationMiddleware) -> int:
     """How many lock calls wait to be sent to Redis."""
-    return middleware._connect().backlog
+    state = middleware._states.get()
+    assert state is not None, "the middleware has not started in this event loop"
+    return state.locks.backlog
 
 
 @pytest.fixture
