@@ -23,6 +23,12 @@ def parse(argv: list[str]) -> Options:
     parser.add_argument(
         "--dup-share", type=float, default=0.3, help="share of sends that repeat a recent call"
     )
+    parser.add_argument(
+        "--chain-share",
+        type=float,
+        default=0.03,
+        help="share of new list-broker calls that send from a second event loop (0.03)",
+    )
     parser.add_argument("--ttl", type=int, default=15, help="the middleware's default_ttl (15)")
     parser.add_argument(
         "--socket-timeout", type=float, default=1.0, help="socket timeout to Redis (1.0 s)"
@@ -30,8 +36,8 @@ def parse(argv: list[str]) -> Options:
     parser.add_argument(
         "--latency-margin",
         type=float,
-        default=2.0,
-        help="how far past the socket timeout the lock's part of a kiq may go (2.0 s)",
+        default=0.5,
+        help="how far past the socket timeout the lock's part of a kiq may go (0.5 s)",
     )
     parser.add_argument("--workers", type=int, default=2, help="worker processes per broker (2)")
     parser.add_argument(
@@ -61,6 +67,7 @@ def parse(argv: list[str]) -> Options:
         seconds=seconds,
         rate=args.rate,
         dup_share=args.dup_share,
+        chain_share=args.chain_share,
         ttl=args.ttl,
         socket_timeout=args.socket_timeout,
         latency_margin=args.latency_margin,

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,13 +35,14 @@ from taskiq import (
 )
 from taskiq_redis import ListQueueBroker
 
-from taskiq_deduplication import RedisDeduplicationMiddleware
+from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
 
 CONFIG_ENV = "DEDUP_SOAK_CONFIG"
 BROKERS = ("redis-list", "rabbitmq")
 #: Attempts of a failing task in all (taskiq's ``max_retries`` label counts attempts).
 MAX_ATTEMPTS = 3
 TASK_NAME = "soak.work"
+CHAIN_NAME = "soak.chain"
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,7 @@ class App:
     kind: str
     broker: AsyncBroker
     work: AsyncTaskiqDecoratedTask[..., Any]
+    chain: AsyncTaskiqDecoratedTask[..., Any]
     ledger: Ledger
 
 
@@ -212,7 +215,63 @@ def build(config: SoakConfig, kind: str, *, client: bool = False) -> App:
     if config.running_ttl is not None:
         labels["deduplication_running_ttl"] = config.running_ttl
     task = broker.task(TASK_NAME, **labels)(work)
-    return App(kind, broker, task, ledger)
+
+    def chain(fp: str, child: str, ms: int, context: Context = TaskiqDepends()) -> str:
+        # A sync task: taskiq runs it in its thread pool, and it enqueues a
+        # follow-up the way sync code does, with asyncio.run(): a second event
+        # loop in the worker process, beside the one that runs the async tasks.
+        message = context.message
+        with psycopg.connect(
+            config.pg_dsn, autocommit=True, options=f"-c search_path={config.schema}"
+        ) as conn:
+            run = _one(
+                conn,
+                "INSERT INTO runs (fp, task_id, broker, attempt, pid, started)"
+                " VALUES (%s, %s, %s, 0, %s, %s) RETURNING id",
+                (fp, message.task_id, kind, os.getpid(), time.time()),
+            )
+            task_id = uuid.uuid4().hex
+            wall, t0 = time.time(), time.monotonic()
+            holder = error = None
+            try:
+                asyncio.run(task.kicker().with_task_id(task_id).kiq(fp=child, ms=ms, fails=0))
+            except DuplicateTaskError as exc:
+                outcome, holder = "duplicate", exc.holder_task_id
+            except Exception as exc:  # noqa: BLE001 (every failure is an outcome to count)
+                outcome, error = "error", f"{type(exc).__name__}: {exc}"[:300]
+            else:
+                outcome = "accepted"
+            latency = time.monotonic() - t0
+            conn.execute(
+                b"INSERT INTO kiqs (fp, task_id, broker, started, ended, latency, lock_latency,"
+                b" outcome, holder, error, source)"
+                b" VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, 'worker')",
+                (
+                    child,
+                    task_id,
+                    kind,
+                    wall,
+                    wall + latency,
+                    latency,
+                    latency,
+                    outcome,
+                    holder,
+                    error,
+                ),
+            )
+            conn.execute(
+                b"UPDATE runs SET ended = %s, outcome = 'ok' WHERE id = %s", (time.time(), run)
+            )
+        return fp
+
+    chained = broker.task(CHAIN_NAME)(chain)
+    return App(kind, broker, task, chained, ledger)
+
+
+def _one(conn: psycopg.Connection[Any], sql: str, params: tuple[Any, ...]) -> Any:
+    row = conn.execute(sql.encode(), params).fetchone()
+    assert row is not None
+    return row[0]
 
 
 def _make_broker(config: SoakConfig, kind: str) -> AsyncBroker:

@@ -1,10 +1,12 @@
-"""The soak's client process: ``python -m tests.soak.client SECONDS RATE DUP_SHARE SEED``.
+"""The soak's client: ``python -m tests.soak.client SECONDS RATE DUP_SHARE CHAIN_SHARE SEED``.
 
 It starts both brokers of :mod:`tests.soak.app` (each with its own middleware)
 and sends ``work`` calls for SECONDS at about RATE calls a second, each in a
 task of its own so that a slow ``kiq`` never holds the next one back. A share
 DUP_SHARE of the sends repeat the arguments of a call sent in the last few
-seconds, while the first may still be queued or running. Every send's outcome
+seconds, while the first may still be queued or running. A share CHAIN_SHARE
+of the list broker's new calls are ``chain`` calls (a sync task that sends a
+``work`` call with ``asyncio.run``). Every send's outcome
 (accepted, duplicate, error) and latency go to the ledger's ``kiqs`` table.
 """
 
@@ -39,6 +41,8 @@ class Call:
     fp: str
     ms: int
     fails: int
+    chain: bool = False
+    """A ``chain`` call: a sync task that sends a ``work`` call from a second event loop."""
 
 
 class Sender:
@@ -55,7 +59,7 @@ class Sender:
         self.skipped = 0
         self.in_flight: set[asyncio.Task[None]] = set()
 
-    def next_call(self, kind: str, dup_share: float) -> Call:
+    def next_call(self, kind: str, dup_share: float, chain_share: float) -> Call:
         """A new call, or with probability ``dup_share`` a recent one again."""
         now = time.monotonic()
         recent = self.recent[kind]
@@ -64,8 +68,12 @@ class Sender:
         if recent and self.rng.random() < dup_share:
             return self.rng.choice(recent)[1]
         self.serial += 1
-        fails = self.rng.choices((0, 1, 2), weights=(80, 14, 6))[0]
-        call = Call(f"{kind}-{self.serial}", self.rng.randint(20, 1500), fails)
+        ms = self.rng.randint(20, 1500)
+        if kind == "redis-list" and self.rng.random() < chain_share:
+            call = Call(f"{kind}-chain-{self.serial}", ms, 0, chain=True)
+        else:
+            fails = self.rng.choices((0, 1, 2), weights=(80, 14, 6))[0]
+            call = Call(f"{kind}-{self.serial}", ms, fails)
         recent.append((now, call))
         return call
 
@@ -77,8 +85,21 @@ class Sender:
         wall, t0 = time.time(), time.monotonic()
         holder = error = None
         try:
-            kicker = self.apps[kind].work.kicker().with_task_id(task_id)
-            await asyncio.wait_for(kicker.kiq(fp=call.fp, ms=call.ms, fails=call.fails), HARD_CAP)
+            app = self.apps[kind]
+            if call.chain:
+                child = call.fp.replace("-chain-", "-child-")
+                sending = (
+                    app.chain.kicker()
+                    .with_task_id(task_id)
+                    .kiq(fp=call.fp, child=child, ms=call.ms)
+                )
+            else:
+                sending = (
+                    app.work.kicker()
+                    .with_task_id(task_id)
+                    .kiq(fp=call.fp, ms=call.ms, fails=call.fails)
+                )
+            await asyncio.wait_for(sending, HARD_CAP)
         except DuplicateTaskError as exc:
             outcome, holder = "duplicate", exc.holder_task_id
         except Exception as exc:  # noqa: BLE001 (every failure is an outcome to count)
@@ -111,7 +132,7 @@ class Sender:
             rows,
         )
 
-    async def run(self, seconds: float, rate: float, dup_share: float) -> None:
+    async def run(self, seconds: float, rate: float, dup_share: float, chain_share: float) -> None:
         """Send for ``seconds`` at about ``rate`` calls a second."""
         flusher = asyncio.create_task(self._flush_loop())
         deadline = time.monotonic() + seconds
@@ -123,7 +144,9 @@ class Sender:
                     self.skipped += 1
                     continue
                 kind = self.rng.choice(kinds)
-                task = asyncio.create_task(self.send(kind, self.next_call(kind, dup_share)))
+                task = asyncio.create_task(
+                    self.send(kind, self.next_call(kind, dup_share, chain_share))
+                )
                 self.in_flight.add(task)
                 task.add_done_callback(self.in_flight.discard)
             if self.in_flight:
@@ -138,7 +161,9 @@ class Sender:
             await self.flush()
 
 
-async def main(seconds: float, rate: float, dup_share: float, seed: int) -> None:
+async def main(
+    seconds: float, rate: float, dup_share: float, chain_share: float, seed: int
+) -> None:
     """Start both brokers, send, stop them."""
     config = SoakConfig.from_env()
     apps = {kind: build(config, kind, client=True) for kind in BROKERS}
@@ -147,7 +172,7 @@ async def main(seconds: float, rate: float, dup_share: float, seed: int) -> None
         await app.broker.startup()
     sender = Sender(apps, ledger, random.Random(seed))
     try:
-        await sender.run(seconds, rate, dup_share)
+        await sender.run(seconds, rate, dup_share, chain_share)
     finally:
         await ledger.execute(
             "INSERT INTO notes (name, value) VALUES ('client_skipped', %s)", (str(sender.skipped),)
@@ -158,5 +183,7 @@ async def main(seconds: float, rate: float, dup_share: float, seed: int) -> None
 
 
 if __name__ == "__main__":
-    seconds_arg, rate_arg, share_arg, seed_arg = sys.argv[1:5]
-    asyncio.run(main(float(seconds_arg), float(rate_arg), float(share_arg), int(seed_arg)))
+    seconds_arg, rate_arg, share_arg, chain_arg, seed_arg = sys.argv[1:6]
+    asyncio.run(
+        main(float(seconds_arg), float(rate_arg), float(share_arg), float(chain_arg), int(seed_arg))
+    )

@@ -1,7 +1,8 @@
 """The soak's ledger in PostgreSQL: one schema per run, dropped at the end.
 
 ``runs``    one row per execution of the task, written by the worker that ran it
-``kiqs``    one row per send, written by the client: outcome and latency
+``kiqs``    one row per send, written by the client (or by the ``chain`` task in a
+            worker, ``source = 'worker'``): outcome and latency
 ``faults``  one row per fault the soak injected, with its start and end
 ``procs``   every process the soak watched: role, first and last sight, fate
 ``rss``     resident memory samples of those processes
@@ -27,7 +28,7 @@ CREATE TABLE runs (id bigserial PRIMARY KEY, fp text NOT NULL, task_id text NOT 
 CREATE TABLE kiqs (id bigserial PRIMARY KEY, fp text NOT NULL, task_id text NOT NULL,
     broker text NOT NULL, started double precision NOT NULL, ended double precision NOT NULL,
     latency double precision NOT NULL, lock_latency double precision NOT NULL,
-    outcome text NOT NULL, holder text, error text);
+    outcome text NOT NULL, holder text, error text, source text NOT NULL DEFAULT 'client');
 CREATE TABLE faults (id bigserial PRIMARY KEY, kind text NOT NULL, target text NOT NULL,
     started double precision NOT NULL, ended double precision NOT NULL, detail text);
 CREATE TABLE procs (pid int NOT NULL, role text NOT NULL, broker text,

@@ -47,6 +47,7 @@ DOCUMENTED = frozenset(
         LIST_LOST_KILL,
         LIST_LOST_BROKER,
         KILLED_NOT_REDELIVERED_LIST,
+        WORKER_DIED_LIST,
         RETRY_REFUSED_IN_FAULT,
         RELEASE_LOST,
         HOLDER_KILLED,
@@ -76,6 +77,9 @@ class Ledger:
         self.death: dict[int, tuple[str, float]] = {
             p["pid"]: (p["fate"], p["last_seen"]) for p in self.procs if p["fate"] != "alive"
         }
+        # The latency checks are the client's: a worker's send (from the chain
+        # task) is timed as a whole, broker included.
+        self.client_kiqs = [k for k in self.kiqs if k["source"] == "client"]
         self.accepted = {k["task_id"]: k for k in self.kiqs if k["outcome"] == "accepted"}
         self.kiq_of = {k["task_id"]: k for k in self.kiqs}
         self.runs_of: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -375,7 +379,7 @@ def _percentiles(values: list[float]) -> dict[str, float | int]:
 def latencies(led: Ledger) -> dict[str, Any]:
     """kiq latency (whole kiq, and the lock's part) in quiet times and during each fault family."""
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for kiq in led.kiqs:
+    for kiq in led.client_kiqs:
         during = {f["kind"] for f in led.faults_in(set(REDIS_FAULTS), kiq["started"], kiq["ended"])}
         if during:
             for kind in during:
@@ -449,7 +453,7 @@ def analyse(
                 breaches.append(f"{name}: {n} x {why}")
     if locks:
         breaches.append(f"locks left one TTL after everything ended: {len(locks)}")
-    slow = [k for k in led.kiqs if k["lock_latency"] > bound]
+    slow = [k for k in led.client_kiqs if k["lock_latency"] > bound]
     if slow:
         worst = max(k["lock_latency"] for k in slow)
         breaches.append(
@@ -468,6 +472,7 @@ def analyse(
         "options": options,
         "totals": {
             "sends": len(led.kiqs),
+            "sends_by_source": dict(Counter(k["source"] for k in led.kiqs)),
             "outcomes": dict(Counter(k["outcome"] for k in led.kiqs)),
             "errors": dict(
                 Counter((k["error"] or "").split(":")[0] for k in led.kiqs if k["error"])
@@ -503,7 +508,8 @@ def render(result: dict[str, Any]) -> str:
     lines = [
         "",
         "=== soak report ===",
-        f"sends: {t['sends']} {t['outcomes']}; client skipped {t['client_skipped']}",
+        f"sends: {t['sends']} {t['sends_by_source']} {t['outcomes']}; "
+        f"client skipped {t['client_skipped']}",
         f"send errors: {t['errors']}",
         f"runs: {t['runs']} {t['run_outcomes']}",
         f"faults: {sum(t['faults'].values())} {t['faults']}",

@@ -76,9 +76,10 @@ class Options:
     seconds: float
     rate: float = 40.0
     dup_share: float = 0.3
+    chain_share: float = 0.03
     ttl: int = 15
     socket_timeout: float = 1.0
-    latency_margin: float = 2.0
+    latency_margin: float = 0.5
     workers: int = 2
     fault_gap: float = 2.0
     long_pauses: bool = False
@@ -160,7 +161,7 @@ class Conductor:
         """Start the client process, which sends for the run's duration."""
         o = self.options
         argv = [sys.executable, "-m", "tests.soak.client"]
-        argv += [str(o.seconds), str(o.rate), str(o.dup_share), str(o.seed)]
+        argv += [str(o.seconds), str(o.rate), str(o.dup_share), str(o.chain_share), str(o.seed)]
         self.client = self.processes.start("client", argv, self.env())
         return self.client
 
