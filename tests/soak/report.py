@@ -9,6 +9,7 @@ a killed worker, ...). Everything else is a breach, and the soak exits 1.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, defaultdict
 from typing import Any
 
@@ -151,7 +152,9 @@ class Ledger:
             and self.faults_in(REDIS_FAULTS, ka["started"] - self.timeout - 1.0, ka["ended"])
         ):
             return FAIL_OPEN
-        if any(self.killed(r) for r in runs_a) and runs_a[0]["broker"] == "rabbitmq":
+        if self.retried_without_lock(first) or self.retried_without_lock(second):
+            return FAIL_OPEN
+        if any(self.died(r) for r in runs_a) and runs_a[0]["broker"] == "rabbitmq":
             return SIGKILL_REDELIVERED
         if ka is not None:
             first_start = runs_a[0]["started"] if runs_a else INF
@@ -159,11 +162,30 @@ class Ledger:
                 return QUEUED_TOO_LONG
         return "unexplained"
 
+    def retried_without_lock(self, task_id: str) -> bool:
+        """Whether a retry of ``task_id`` was sent, with ``fail_open``, during a Redis fault."""
+        runs = self.runs_of.get(task_id, [])
+        if not runs or runs[0]["broker"] not in self.fail_open:
+            return False
+        return any(
+            earlier["ended"] is not None
+            and self.faults_in(
+                REDIS_FAULTS, earlier["ended"] - 0.5, earlier["ended"] + self.timeout + 0.5
+            )
+            for earlier, later in itertools.pairwise(runs)
+            if later["attempt"] > earlier["attempt"]
+        )
+
+    def died(self, run: dict[str, Any]) -> bool:
+        """Whether the process of ``run`` ended before the soak stopped it."""
+        fate = self.death.get(run["pid"], ("alive", 0.0))[0]
+        return fate not in {"alive", "stopped"}
+
     def why_redelivered(self, a: dict[str, Any], b: dict[str, Any]) -> str:
         """Why one attempt of a task ran twice at once."""
         if self.faults_in({f"broker-cut:{a['broker']}"}, a["started"], b["started"]):
             return CUT_REDELIVERED
-        if self.killed(a) and a["broker"] == "rabbitmq":
+        if self.died(a) and a["broker"] == "rabbitmq":
             return SIGKILL_REDELIVERED
         return "redelivered (unexplained)"
 
@@ -346,8 +368,18 @@ def stale_refusals(led: Ledger) -> list[dict[str, Any]]:
             continue  # a retry is on its way: the lock is rightly held
         if kiq["started"] < ended + RELEASE_MARGIN:
             continue
+        death = led.death.get(last["pid"])
+        # Killed between the end of its body and its release: the lock lives one TTL.
+        killed_before_release = (
+            last["ended"] is not None
+            and death is not None
+            and led.died(last)
+            and death[1] - ended < RELEASE_MARGIN + 1.0
+        )
+        if killed_before_release and death is not None:
+            ended = death[1]
         too_late = kiq["started"] > ended + led.ttl + RELEASE_MARGIN
-        if last["ended"] is None:
+        if last["ended"] is None or killed_before_release:
             why = "refused past the TTL of a killed holder" if too_late else HOLDER_KILLED
         elif led.faults_in(REDIS_FAULTS, ended - led.timeout - 0.5, ended + led.timeout + 0.5):
             why = "refused past the TTL of a lost release" if too_late else RELEASE_LOST
@@ -508,8 +540,10 @@ def render(result: dict[str, Any]) -> str:
     lines = [
         "",
         "=== soak report ===",
-        f"sends: {t['sends']} {t['sends_by_source']} {t['outcomes']}; "
-        f"client skipped {t['client_skipped']}",
+        (
+            f"sends: {t['sends']} {t['sends_by_source']} {t['outcomes']}; "
+            f"client skipped {t['client_skipped']}"
+        ),
         f"send errors: {t['errors']}",
         f"runs: {t['runs']} {t['run_outcomes']}",
         f"faults: {sum(t['faults'].values())} {t['faults']}",

@@ -25,6 +25,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -228,7 +229,7 @@ class Conductor:
                 await asyncio.to_thread(self.list_server.restart)
             elif kind == "redis-pause":
                 seconds = self.pause_seconds()
-                detail = f"{seconds:.1f}s"
+                detail = "(past the TTL)" if seconds > self.options.ttl else ""
                 self.lock_server.pause()
                 try:
                     await asyncio.sleep(seconds)
@@ -237,7 +238,6 @@ class Conductor:
             else:  # redis-cut, broker-cut
                 proxy = self.proxies["locks" if kind == "redis-cut" else target]
                 seconds = self.rng.uniform(0.5, 3.0)
-                detail = f"{seconds:.1f}s"
                 await proxy.cut()
                 try:
                     await asyncio.sleep(seconds)
@@ -247,7 +247,7 @@ class Conductor:
             ended = time.time()
             row = {"kind": kind, "target": target, "started": started, "ended": ended}
             self.fault_rows.append({**row, "detail": detail})
-            logger.info("fault %s on %s: %.1fs %s", kind, target, ended - started, detail)
+            logger.info("fault %s on %s, %.1fs %s", kind, target, ended - started, detail)
 
     def pause_seconds(self) -> float:
         """How long a pause lasts: mostly short; with long pauses, sometimes past the TTL."""
@@ -396,6 +396,12 @@ async def soak(options: Options) -> int:
         ttl=options.ttl,
         running_ttl=options.running_ttl,
     )
+    for service, port in (("RabbitMQ", AMQP_PORT), ("PostgreSQL", 5432)):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        except OSError as exc:  # noqa: PERF203 (two checks, each with its message)
+            print(f"{service} does not answer on 127.0.0.1:{port} ({exc})", file=sys.stderr)
+            return 2
     print(f"soak {run_id}: {options.seconds:.0f}s, logs in {workdir}", flush=True)
     lock_server = Server(port=LOCK_PORT, workdir=workdir / "redis-locks")
     list_server = Server(
