@@ -438,8 +438,9 @@ def memory(led: Ledger) -> list[dict[str, Any]]:
     for sample in led.rss:
         series[(sample["pid"], sample["role"])].append((sample["at"], sample["kb"]))
     rows = []
-    for (pid, role), samples in sorted(series.items(), key=lambda item: item[1][0][0]):
+    for samples in series.values():
         samples.sort()
+    for (pid, role), samples in sorted(series.items(), key=lambda i: (i[0][1], i[1][0][0])):
         start = samples[0][0]
         settled = [kb for at, kb in samples if at - start >= 10.0] or [samples[-1][1]]
         rows.append(
