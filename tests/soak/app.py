@@ -24,9 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+import redis.asyncio
 from taskiq import (
     AsyncBroker,
     AsyncTaskiqDecoratedTask,
+    BrokerMessage,
     Context,
     SimpleRetryMiddleware,
     TaskiqDepends,
@@ -274,11 +276,45 @@ def _one(conn: psycopg.Connection[Any], sql: str, params: tuple[Any, ...]) -> An
     return row[0]
 
 
+class _AnyLoopListQueueBroker(ListQueueBroker):
+    """``ListQueueBroker`` whose ``kick`` also works from a second event loop.
+
+    taskiq-redis shares one connection pool between ``kick`` and ``listen``; a
+    ``kick`` from another loop (the ``chain`` task's ``asyncio.run``) leaves a
+    connection bound to that loop in the pool, and the listener that picks it
+    up next dies with "attached to a different loop". Here a kick from any
+    other loop uses a connection of its own, so what the soak sees from the
+    second loop is the middleware's doing, not the broker's.
+    """
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        """Build the broker, remembering ``url`` for kicks from other loops."""
+        super().__init__(url, **kwargs)
+        self._url = url
+        self._home: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self) -> None:
+        """Remember the loop the broker lives in."""
+        self._home = asyncio.get_running_loop()
+        await super().startup()
+
+    async def kick(self, message: BrokerMessage) -> None:
+        """Push the message, from the broker's own pool only in its own loop."""
+        if asyncio.get_running_loop() is self._home:
+            await super().kick(message)
+            return
+        client = redis.asyncio.Redis.from_url(self._url)
+        try:
+            await client.lpush(message.labels.get("queue_name") or self.queue_name, message.message)
+        finally:
+            await client.aclose()
+
+
 def _make_broker(config: SoakConfig, kind: str) -> AsyncBroker:
     if kind == "redis-list":
         # BRPOP waits without a timeout: the default socket timeout would end
         # an idle worker's listener (taskiq-redis catches ConnectionError only).
-        return ListQueueBroker(
+        return _AnyLoopListQueueBroker(
             config.list_redis_url, queue_name=config.queue(kind), socket_timeout=None
         )
     from taskiq_aio_pika import AioPikaBroker  # noqa: PLC0415 (only where it runs)

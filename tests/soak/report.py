@@ -293,7 +293,13 @@ def never_ran(led: Ledger) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
             elif led.killed(last):
                 why = KILLED_NOT_REDELIVERED_LIST
             elif last["pid"] in led.death:
-                why = WORKER_DIED_LIST
+                died_at = led.death[last["pid"]][1]
+                broker_fault = led.faults_in(
+                    {"broker-cut:redis-list", "broker-restart:redis-list"},
+                    died_at - 3.0,
+                    died_at + 1.0,
+                )
+                why = WORKER_DIED_LIST if broker_fault else "its worker process died (unexplained)"
             else:
                 why = "run never ended"
         else:  # failed, and its retry never ran
@@ -308,6 +314,10 @@ def never_ran(led: Ledger) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
                 if led.faults_in(kinds, when - 2.0, when + 2.0)
                 else "retry lost"
             )
+            if why == "retry lost" and runs[0]["started"] - kiq["ended"] > led.ttl:
+                # Its lock expired in the queue and another send took it: the
+                # retry is refused as that one's duplicate.
+                why = QUEUED_TOO_LONG
             if (
                 why == "retry lost"
                 and last["broker"] == "redis-list"
@@ -436,6 +446,8 @@ def memory(led: Ledger) -> list[dict[str, Any]]:
     """First, last and largest resident memory of every process, in MiB."""
     series: dict[tuple[int, str], list[tuple[float, int]]] = defaultdict(list)
     for sample in led.rss:
+        if sample["kb"] == 0:
+            continue  # read while the process was exiting
         series[(sample["pid"], sample["role"])].append((sample["at"], sample["kb"]))
     rows = []
     for samples in series.values():
