@@ -575,7 +575,14 @@ def render(result: dict[str, Any]) -> str:
             f"{'' if why in DOCUMENTED else '*'}{why}: {n}" for why, n in sorted(counts.items())
         )
         lines.append(f"  {title}: {sum(counts.values())}" + (f" ({shown})" if shown else ""))
-    lines.append(f"  locks left one TTL after the end: {len(result['locks_left'])}")
+    left = result["locks_left"]
+    lines.append(f"  locks left one TTL after the end: {len(left)}")
+    if left:
+        ttls = sorted(lock["pttl"] for lock in left)
+        lines.append(
+            f"    PTTL of those, ms: min {ttls[0]} max {ttls[-1]} "
+            "(near the TTL: something still refreshes them)"
+        )
     lines += [
         "",
         f"kiq latency, seconds (bound for the lock's part: {result['latency_bound']:.1f})",
