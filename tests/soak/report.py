@@ -18,7 +18,7 @@ from tests.soak.app import MAX_ATTEMPTS
 REDIS_FAULTS = frozenset({"redis-restart", "redis-pause", "redis-cut"})
 #: A lock is released by the worker after the task's end is stamped; allow this
 #: long for the release to reach Redis before a refusal counts as stale.
-RELEASE_MARGIN = 1.0
+RELEASE_MARGIN = 2.0
 
 # Classes of anomalies the documentation admits.
 LOST_IN_RESTART = "locks lost in a Redis restart"
