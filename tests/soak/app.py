@@ -1,0 +1,341 @@
+"""The application the soak runs: two brokers, their middlewares, one task, a ledger.
+
+The same code runs in the soak's own process, in its client process
+(``python -m tests.soak.client``) and in every ``taskiq worker
+tests.soak.app:redis_list_worker`` / ``tests.soak.app:rabbitmq_worker``
+process. They agree on everything through one :class:`SoakConfig`, handed to
+the other processes as JSON in :data:`CONFIG_ENV`.
+
+Every run of the task writes its start and its end to PostgreSQL, the outside
+observer: it sees what really ran, whatever Redis, the brokers or the
+middleware believe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import dataclasses
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+import redis.asyncio
+from taskiq import (
+    AsyncBroker,
+    AsyncTaskiqDecoratedTask,
+    BrokerMessage,
+    Context,
+    SimpleRetryMiddleware,
+    TaskiqDepends,
+    TaskiqMessage,
+    TaskiqMiddleware,
+)
+from taskiq_redis import ListQueueBroker
+
+from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
+
+CONFIG_ENV = "DEDUP_SOAK_CONFIG"
+BROKERS = ("redis-list", "rabbitmq")
+#: Attempts of a failing task in all (taskiq's ``max_retries`` label counts attempts).
+MAX_ATTEMPTS = 3
+TASK_NAME = "soak.work"
+CHAIN_NAME = "soak.chain"
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    """Everything the processes of one soak run must agree on."""
+
+    run_id: str
+    """Unique per run: the PostgreSQL schema, queue names and key prefix derive from it."""
+    lock_redis_url: str
+    """The middleware's Redis, through the soak's proxy (with its timeouts in the query)."""
+    list_redis_url: str
+    """The Redis of ``ListQueueBroker``, through a second proxy."""
+    amqp_url: str
+    """RabbitMQ, through a third proxy."""
+    pg_dsn: str
+    ttl: int
+    """The middleware's ``default_ttl``."""
+    fail_open: tuple[str, ...] = ("redis-list",)
+    """The brokers whose middleware has ``fail_open=True``."""
+    running_ttl: int | None = None
+    """If set, sent as the ``deduplication_running_ttl`` label (a library that
+    does not know the label ignores it)."""
+
+    @property
+    def schema(self) -> str:
+        """The PostgreSQL schema of the run's ledger."""
+        return f"dedup_soak_{self.run_id}"
+
+    @property
+    def lock_prefix(self) -> str:
+        """The middleware's ``key_prefix``."""
+        return f"soak:{self.run_id}:lock"
+
+    def queue(self, broker: str) -> str:
+        """The queue (and exchange) name of ``broker``."""
+        return f"dedup-soak-{self.run_id}-{broker}"
+
+    def to_json(self) -> str:
+        """Serialise for :data:`CONFIG_ENV`."""
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_env(cls) -> SoakConfig:
+        """The configuration the soak handed to this process."""
+        raw = json.loads(os.environ[CONFIG_ENV])
+        raw["fail_open"] = tuple(raw["fail_open"])
+        return cls(**raw)
+
+
+class Ledger:
+    """This process's connection to the run's ledger, made on first use."""
+
+    def __init__(self, config: SoakConfig) -> None:
+        """Remember where to connect; nothing connects yet."""
+        self.config = config
+        self._conn: psycopg.AsyncConnection[Any] | None = None
+        self._lock: asyncio.Lock | None = None
+
+    async def _connection(self) -> psycopg.AsyncConnection[Any]:
+        if self._conn is None or self._conn.closed:
+            self._conn = await psycopg.AsyncConnection.connect(
+                self.config.pg_dsn,
+                autocommit=True,
+                options=f"-c search_path={self.config.schema}",
+            )
+        return self._conn
+
+    async def execute(self, sql: str, params: tuple[Any, ...]) -> Any:
+        """Run one statement; return the first column of its first row, if any."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            conn = await self._connection()
+            cursor = await conn.execute(sql.encode(), params)
+            row = await cursor.fetchone() if cursor.description else None
+            return row[0] if row else None
+
+    async def executemany(self, sql: str, rows: list[tuple[Any, ...]]) -> None:
+        """Insert many rows at once."""
+        if not rows:
+            return
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            conn = await self._connection()
+            async with conn.cursor() as cursor:
+                await cursor.executemany(sql.encode(), rows)
+
+    async def close(self) -> None:
+        """Close the connection, if one was made."""
+        if self._conn is not None:
+            await self._conn.close()
+            self._conn = None
+
+
+#: The client sets a fresh list here before each send; :class:`SendTimer` appends
+#: the moment (monotonic) the deduplication middleware let the send through, so
+#: the client can time the lock's part of ``kiq``. A list, not a float: the
+#: context may be copied into another task on the way (``asyncio.wait_for``).
+LOCK_TAKEN_AT: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar(
+    "dedup_soak_lock_taken_at", default=None
+)
+
+
+class SendTimer(TaskiqMiddleware):
+    """Notes when ``pre_send`` reaches it: placed after deduplication, that is when
+    the lock was taken (or refused with fail-open)."""
+
+    async def pre_send(self, message: TaskiqMessage) -> TaskiqMessage:
+        """Note the time; change nothing."""
+        taken = LOCK_TAKEN_AT.get()
+        if taken is not None:
+            taken.append(time.monotonic())
+        return message
+
+
+@dataclass(frozen=True)
+class App:
+    """One broker of the application, as seen by one process."""
+
+    kind: str
+    broker: AsyncBroker
+    work: AsyncTaskiqDecoratedTask[..., Any]
+    chain: AsyncTaskiqDecoratedTask[..., Any]
+    ledger: Ledger
+
+
+def build(config: SoakConfig, kind: str, *, client: bool = False) -> App:
+    """The broker ``kind`` with its middlewares and task."""
+    broker = _make_broker(config, kind)
+    dedup = RedisDeduplicationMiddleware(
+        redis_url=config.lock_redis_url,
+        default_ttl=config.ttl,
+        key_prefix=config.lock_prefix,
+        fail_open=kind in config.fail_open,
+        startup_retries=5,
+        startup_retry_delay=0.5,
+    )
+    retry = SimpleRetryMiddleware(default_retry_count=MAX_ATTEMPTS)
+    # Both orders of deduplication and retries, one per broker.
+    middlewares: list[TaskiqMiddleware] = [dedup, retry] if kind == "redis-list" else [retry, dedup]
+    if client:
+        middlewares.append(SendTimer())
+    broker.with_middlewares(*middlewares)
+    ledger = Ledger(config)
+
+    async def work(fp: str, ms: int, fails: int, context: Context = TaskiqDepends()) -> str:
+        message = context.message
+        attempt = int(message.labels.get("_retries", 0))
+        started = time.time()
+        run = await ledger.execute(
+            "INSERT INTO runs (fp, task_id, broker, attempt, pid, started)"
+            " VALUES (%s, %s, %s, %s, %s, %s) RETURNING id",
+            (fp, message.task_id, kind, attempt, os.getpid(), started),
+        )
+        await asyncio.sleep(ms / 1000)
+        failing = attempt < fails
+        # The end is stamped before it is written: a slow write cannot make the
+        # run look longer than it was.
+        await ledger.execute(
+            "UPDATE runs SET ended = %s, outcome = %s WHERE id = %s",
+            (time.time(), "failed" if failing else "ok", run),
+        )
+        if failing:
+            msg = f"attempt {attempt} fails on purpose"
+            raise RuntimeError(msg)
+        return fp
+
+    labels: dict[str, Any] = {"retry_on_error": True, "max_retries": MAX_ATTEMPTS}
+    if config.running_ttl is not None:
+        labels["deduplication_running_ttl"] = config.running_ttl
+    task = broker.task(TASK_NAME, **labels)(work)
+
+    def chain(fp: str, child: str, ms: int, context: Context = TaskiqDepends()) -> str:
+        # A sync task: taskiq runs it in its thread pool, and it enqueues a
+        # follow-up the way sync code does, with asyncio.run(): a second event
+        # loop in the worker process, beside the one that runs the async tasks.
+        message = context.message
+        with psycopg.connect(
+            config.pg_dsn, autocommit=True, options=f"-c search_path={config.schema}"
+        ) as conn:
+            run = _one(
+                conn,
+                "INSERT INTO runs (fp, task_id, broker, attempt, pid, started)"
+                " VALUES (%s, %s, %s, 0, %s, %s) RETURNING id",
+                (fp, message.task_id, kind, os.getpid(), time.time()),
+            )
+            task_id = uuid.uuid4().hex
+            wall, t0 = time.time(), time.monotonic()
+            holder = error = None
+            try:
+                asyncio.run(task.kicker().with_task_id(task_id).kiq(fp=child, ms=ms, fails=0))
+            except DuplicateTaskError as exc:
+                outcome, holder = "duplicate", exc.holder_task_id
+            except Exception as exc:  # noqa: BLE001 (every failure is an outcome to count)
+                outcome, error = "error", f"{type(exc).__name__}: {exc}"[:300]
+            else:
+                outcome = "accepted"
+            latency = time.monotonic() - t0
+            conn.execute(
+                b"INSERT INTO kiqs (fp, task_id, broker, started, ended, latency, lock_latency,"
+                b" outcome, holder, error, source)"
+                b" VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, 'worker')",
+                (
+                    child,
+                    task_id,
+                    kind,
+                    wall,
+                    wall + latency,
+                    latency,
+                    latency,
+                    outcome,
+                    holder,
+                    error,
+                ),
+            )
+            conn.execute(
+                b"UPDATE runs SET ended = %s, outcome = 'ok' WHERE id = %s", (time.time(), run)
+            )
+        return fp
+
+    chained = broker.task(CHAIN_NAME)(chain)
+    return App(kind, broker, task, chained, ledger)
+
+
+def _one(conn: psycopg.Connection[Any], sql: str, params: tuple[Any, ...]) -> Any:
+    row = conn.execute(sql.encode(), params).fetchone()
+    assert row is not None
+    return row[0]
+
+
+class _AnyLoopListQueueBroker(ListQueueBroker):
+    """``ListQueueBroker`` whose ``kick`` also works from a second event loop.
+
+    taskiq-redis shares one connection pool between ``kick`` and ``listen``; a
+    ``kick`` from another loop (the ``chain`` task's ``asyncio.run``) leaves a
+    connection bound to that loop in the pool, and the listener that picks it
+    up next dies with "attached to a different loop". Here a kick from any
+    other loop uses a connection of its own, so what the soak sees from the
+    second loop is the middleware's doing, not the broker's.
+    """
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        """Build the broker, remembering ``url`` for kicks from other loops."""
+        super().__init__(url, **kwargs)
+        self._url = url
+        self._home: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self) -> None:
+        """Remember the loop the broker lives in."""
+        self._home = asyncio.get_running_loop()
+        await super().startup()
+
+    async def kick(self, message: BrokerMessage) -> None:
+        """Push the message, from the broker's own pool only in its own loop."""
+        if asyncio.get_running_loop() is self._home:
+            await super().kick(message)
+            return
+        client = redis.asyncio.Redis.from_url(self._url)
+        try:
+            await client.lpush(message.labels.get("queue_name") or self.queue_name, message.message)
+        finally:
+            await client.aclose()
+
+
+def _make_broker(config: SoakConfig, kind: str) -> AsyncBroker:
+    if kind == "redis-list":
+        # BRPOP waits without a timeout: the default socket timeout would end
+        # an idle worker's listener (taskiq-redis catches ConnectionError only).
+        return _AnyLoopListQueueBroker(
+            config.list_redis_url, queue_name=config.queue(kind), socket_timeout=None
+        )
+    from taskiq_aio_pika import AioPikaBroker  # noqa: PLC0415 (only where it runs)
+    from taskiq_aio_pika.exchange import Exchange  # noqa: PLC0415
+    from taskiq_aio_pika.queue import Queue, QueueType  # noqa: PLC0415
+
+    name = config.queue(kind)
+    return AioPikaBroker(
+        config.amqp_url,
+        exchange=Exchange(name=name),
+        task_queues=[Queue(name=name, type=QueueType.CLASSIC)],
+        dead_letter_queue=Queue(name=f"{name}.dead", type=QueueType.CLASSIC),
+        delay_queue=Queue(name=f"{name}.delay", type=QueueType.CLASSIC),
+    )
+
+
+def redis_list_worker() -> AsyncBroker:
+    """The broker for ``taskiq worker tests.soak.app:redis_list_worker``."""
+    return build(SoakConfig.from_env(), "redis-list").broker
+
+
+def rabbitmq_worker() -> AsyncBroker:
+    """The broker for ``taskiq worker tests.soak.app:rabbitmq_worker``."""
+    return build(SoakConfig.from_env(), "rabbitmq").broker

@@ -1,0 +1,613 @@
+"""What the soak's ledger says: invariants checked from the outside, and figures.
+
+Everything here reads the ledger's rows (plain dicts) and the locks found at
+the end; nothing asks the system under test. Each anomaly is put in a class;
+the classes in :data:`DOCUMENTED` are windows that the documentation admits
+(a Redis restart loses every lock, an at-most-once broker loses the messages of
+a killed worker, ...). Everything else is a breach, and the soak exits 1.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, defaultdict
+from typing import Any
+
+from tests.soak.app import MAX_ATTEMPTS
+
+REDIS_FAULTS = frozenset({"redis-restart", "redis-pause", "redis-cut"})
+#: A lock is released by the worker after the task's end is stamped; allow this
+#: long for the release to reach Redis before a refusal counts as stale.
+RELEASE_MARGIN = 2.0
+
+# Classes of anomalies the documentation admits.
+LOST_IN_RESTART = "locks lost in a Redis restart"
+LONG_PAUSE = "Redis paused longer than the TTL"
+FAIL_OPEN = "sent without a lock (fail_open) during a Redis fault"
+SIGKILL_REDELIVERED = "after a SIGKILL on a redelivering broker"
+CUT_REDELIVERED = "redelivered after a broker connection cut"
+QUEUED_TOO_LONG = "queued longer than the TTL"
+KIQ_FAILED_BUT_SENT = "its kiq failed, but the message was queued"
+LIST_LOST_KILL = "lost with a killed worker (at-most-once broker)"
+LIST_LOST_BROKER = "lost in a broker fault (at-most-once broker)"
+KILLED_NOT_REDELIVERED_LIST = "killed mid-run, not redelivered (at-most-once broker)"
+WORKER_DIED_LIST = "its worker died on a broker error, not redelivered (at-most-once broker)"
+RETRY_REFUSED_IN_FAULT = "retry not sent: Redis or broker fault"
+RELEASE_LOST = "release lost in a Redis fault (lock lives out its TTL)"
+HOLDER_KILLED = "holder was killed (lock lives out its TTL)"
+HOLDER_LOST = "holder's message was lost"
+DOCUMENTED = frozenset(
+    {
+        LOST_IN_RESTART,
+        LONG_PAUSE,
+        FAIL_OPEN,
+        SIGKILL_REDELIVERED,
+        CUT_REDELIVERED,
+        QUEUED_TOO_LONG,
+        KIQ_FAILED_BUT_SENT,
+        LIST_LOST_KILL,
+        LIST_LOST_BROKER,
+        KILLED_NOT_REDELIVERED_LIST,
+        WORKER_DIED_LIST,
+        RETRY_REFUSED_IN_FAULT,
+        RELEASE_LOST,
+        HOLDER_KILLED,
+        HOLDER_LOST,
+    }
+)
+INF = float("inf")
+
+
+class Ledger:
+    """The ledger's rows, indexed for the checks."""
+
+    def __init__(self, data: dict[str, list[dict[str, Any]]], options: dict[str, Any]) -> None:
+        """Index ``data`` (table -> rows) for a run with ``options``."""
+        self.options = options
+        self.ttl: float = options["ttl"]
+        self.timeout: float = options["socket_timeout"]
+        self.runs = data["runs"]
+        self.kiqs = data["kiqs"]
+        self.faults = data["faults"]
+        self.procs = data["procs"]
+        self.rss = data["rss"]
+        self.notes = {row["name"]: row["value"] for row in data["notes"]}
+        self.end_of_run = max(
+            [r["ended"] or r["started"] for r in self.runs] + [k["ended"] for k in self.kiqs] + [0]
+        )
+        self.death: dict[int, tuple[str, float]] = {
+            p["pid"]: (p["fate"], p["last_seen"]) for p in self.procs if p["fate"] != "alive"
+        }
+        # The latency checks are the client's: a worker's send (from the chain
+        # task) is timed as a whole, broker included.
+        self.client_kiqs = [k for k in self.kiqs if k["source"] == "client"]
+        self.accepted = {k["task_id"]: k for k in self.kiqs if k["outcome"] == "accepted"}
+        self.kiq_of = {k["task_id"]: k for k in self.kiqs}
+        self.runs_of: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for run in self.runs:
+            self.runs_of[run["task_id"]].append(run)
+        for runs in self.runs_of.values():
+            runs.sort(key=lambda r: r["started"])
+        self.fail_open: set[str] = set(options.get("fail_open", ("redis-list",)))
+
+    def killed(self, run: dict[str, Any]) -> bool:
+        """Whether the process of ``run`` was killed (SIGKILL, or SIGTERM cut short)."""
+        fate = self.death.get(run["pid"], ("alive", 0.0))[0]
+        return fate in {"sigkill", "sigterm+kill"}
+
+    def end(self, run: dict[str, Any]) -> float:
+        """When ``run`` ended: its stamp, else its process's death, else the end of the run."""
+        if run["ended"] is not None:
+            return float(run["ended"])
+        if run["pid"] in self.death:
+            return self.death[run["pid"]][1]
+        return float(self.end_of_run)
+
+    def faults_in(
+        self, kinds: set[str] | frozenset[str], start: float, end: float
+    ) -> list[dict[str, Any]]:
+        """Faults of ``kinds`` that overlap ``[start, end]``."""
+        return [
+            f
+            for f in self.faults
+            if (f["kind"] in kinds or f"{f['kind']}:{f['target']}" in kinds)
+            and f["started"] <= end
+            and f["ended"] >= start
+        ]
+
+    def final_end(self, task_id: str) -> float | None:
+        """When the last run of ``task_id`` ended, if it ran at all."""
+        runs = self.runs_of.get(task_id)
+        return max(self.end(r) for r in runs) if runs else None
+
+    # Classification
+
+    def why_two_at_once(
+        self, first: str, second: str, second_broker: str, window_end: float
+    ) -> str:
+        """Why the lock of ``first`` did not stop ``second``; ``"unexplained"`` if nothing does."""
+        ka, kb = self.kiq_of.get(first), self.kiq_of.get(second)
+        runs_a = self.runs_of.get(first, [])
+        start = ka["started"] if ka else (runs_a[0]["started"] if runs_a else window_end)
+        if self.faults_in({"redis-restart"}, start, window_end):
+            return LOST_IN_RESTART
+        if any(
+            f["ended"] - f["started"] > self.ttl
+            for f in self.faults_in({"redis-pause"}, start, window_end)
+        ):
+            return LONG_PAUSE
+        if (
+            kb is None
+            or kb["outcome"] != "accepted"
+            or (ka is not None and ka["outcome"] != "accepted")
+        ):
+            return KIQ_FAILED_BUT_SENT
+        if second_broker in self.fail_open and self.faults_in(
+            REDIS_FAULTS, kb["started"] - self.timeout - 1.0, kb["ended"]
+        ):
+            return FAIL_OPEN
+        if (
+            ka is not None
+            and ka["broker"] in self.fail_open
+            and self.faults_in(REDIS_FAULTS, ka["started"] - self.timeout - 1.0, ka["ended"])
+        ):
+            return FAIL_OPEN
+        if self.retried_without_lock(first) or self.retried_without_lock(second):
+            return FAIL_OPEN
+        if any(self.died(r) for r in runs_a) and runs_a[0]["broker"] == "rabbitmq":
+            return SIGKILL_REDELIVERED
+        if ka is not None:
+            first_start = runs_a[0]["started"] if runs_a else INF
+            if min(first_start, kb["started"]) - ka["ended"] > self.ttl:
+                return QUEUED_TOO_LONG
+        return "unexplained"
+
+    def retried_without_lock(self, task_id: str) -> bool:
+        """Whether a retry of ``task_id`` was sent, with ``fail_open``, during a Redis fault."""
+        runs = self.runs_of.get(task_id, [])
+        if not runs or runs[0]["broker"] not in self.fail_open:
+            return False
+        return any(
+            earlier["ended"] is not None
+            and self.faults_in(
+                REDIS_FAULTS, earlier["ended"] - 0.5, earlier["ended"] + self.timeout + 0.5
+            )
+            for earlier, later in itertools.pairwise(runs)
+            if later["attempt"] > earlier["attempt"]
+        )
+
+    def died(self, run: dict[str, Any]) -> bool:
+        """Whether the process of ``run`` ended before the soak stopped it."""
+        fate = self.death.get(run["pid"], ("alive", 0.0))[0]
+        return fate not in {"alive", "stopped"}
+
+    def why_redelivered(self, a: dict[str, Any], b: dict[str, Any]) -> str:
+        """Why one attempt of a task ran twice at once."""
+        if self.faults_in({f"broker-cut:{a['broker']}"}, a["started"], b["started"]):
+            return CUT_REDELIVERED
+        if self.died(a) and a["broker"] == "rabbitmq":
+            return SIGKILL_REDELIVERED
+        return "redelivered (unexplained)"
+
+
+def overlaps(led: Ledger) -> list[dict[str, Any]]:
+    """Pairs of runs of one fingerprint that ran at the same time, each with its class."""
+    by_fp: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for run in led.runs:
+        by_fp[run["fp"]].append(run)
+    found = []
+    for fp, runs in by_fp.items():
+        runs.sort(key=lambda r: r["started"])
+        for i, a in enumerate(runs):
+            end_a = led.end(a)
+            for b in runs[i + 1 :]:
+                if b["started"] >= end_a:
+                    break
+                if a["task_id"] == b["task_id"]:
+                    why = led.why_redelivered(a, b)
+                else:
+                    kb = led.kiq_of.get(b["task_id"])
+                    why = led.why_two_at_once(
+                        a["task_id"], b["task_id"], b["broker"], kb["ended"] if kb else b["started"]
+                    )
+                found.append(
+                    {
+                        "fp": fp,
+                        "class": why,
+                        "a": (a["task_id"], a["attempt"], a["pid"], a["started"], end_a),
+                        "b": (b["task_id"], b["attempt"], b["pid"], b["started"], led.end(b)),
+                    }
+                )
+    return found
+
+
+def let_through(led: Ledger) -> list[dict[str, Any]]:
+    """Accepted sends of a fingerprint whose earlier accepted send was still queued or running.
+
+    Only clear cases count: the second ``kiq`` began after the first returned,
+    and returned before the first task's last run ended.
+    """
+    by_fp: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for kiq in led.accepted.values():
+        by_fp[kiq["fp"]].append(kiq)
+    found = []
+    for fp, kiqs in by_fp.items():
+        kiqs.sort(key=lambda k: k["started"])
+        for i, a in enumerate(kiqs):
+            end_a = led.final_end(a["task_id"])
+            if end_a is None:
+                continue  # never ran: counted elsewhere
+            last = led.runs_of[a["task_id"]][-1]
+            if last["ended"] is None and not led.killed(last):
+                end_a = min(end_a, led.end_of_run)
+            for b in kiqs[i + 1 :]:
+                if b["started"] > end_a:
+                    break
+                if b["started"] > a["ended"] and b["ended"] < end_a:
+                    found.append(
+                        {
+                            "fp": fp,
+                            "class": led.why_two_at_once(
+                                a["task_id"], b["task_id"], b["broker"], b["ended"]
+                            ),
+                            "first": a["task_id"],
+                            "second": b["task_id"],
+                            "at": b["started"],
+                        }
+                    )
+    return found
+
+
+def never_ran(led: Ledger) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Accepted sends that never ran, and those that ran but never completed."""
+    lost, unfinished = [], []
+    for task_id, kiq in led.accepted.items():
+        runs = led.runs_of.get(task_id)
+        after = kiq["started"] - 1.0
+        if not runs:
+            if kiq["broker"] == "redis-list":
+                if led.faults_in(
+                    {"worker-sigkill:redis-list", "worker-sigterm:redis-list"}, after, INF
+                ):
+                    why = LIST_LOST_KILL
+                elif led.faults_in(
+                    {"broker-cut:redis-list", "broker-restart:redis-list"}, after, INF
+                ):
+                    why = LIST_LOST_BROKER
+                else:
+                    why = "never ran (unexplained)"
+            else:
+                why = "never ran on an at-least-once broker"
+            lost.append(
+                {"task_id": task_id, "broker": kiq["broker"], "class": why, "at": kiq["started"]}
+            )
+            continue
+        last = runs[-1]
+        if last["outcome"] == "ok" or (
+            last["outcome"] == "failed" and last["attempt"] >= MAX_ATTEMPTS - 1
+        ):
+            continue
+        if last["outcome"] is None:
+            if last["broker"] != "redis-list" and last["pid"] in led.death:
+                why = "killed mid-run, not redelivered (at-least-once broker)"
+            elif led.killed(last):
+                why = KILLED_NOT_REDELIVERED_LIST
+            elif last["pid"] in led.death:
+                died_at = led.death[last["pid"]][1]
+                broker_fault = led.faults_in(
+                    {"broker-cut:redis-list", "broker-restart:redis-list"},
+                    died_at - 3.0,
+                    died_at + 1.0,
+                )
+                why = WORKER_DIED_LIST if broker_fault else "its worker process died (unexplained)"
+            else:
+                why = "run never ended"
+        else:  # failed, and its retry never ran
+            when = led.end(last)
+            kinds = set(REDIS_FAULTS) | {
+                f"broker-cut:{last['broker']}",
+                f"broker-restart:{last['broker']}",
+            }
+            kinds |= {f"worker-sigkill:{last['broker']}", f"worker-sigterm:{last['broker']}"}
+            why = (
+                RETRY_REFUSED_IN_FAULT
+                if led.faults_in(kinds, when - 2.0, when + 2.0)
+                else "retry lost"
+            )
+            if why == "retry lost" and runs[0]["started"] - kiq["ended"] > led.ttl:
+                # Its lock expired in the queue and another send took it: the
+                # retry is refused as that one's duplicate.
+                why = QUEUED_TOO_LONG
+            if (
+                why == "retry lost"
+                and last["broker"] == "redis-list"
+                and led.faults_in(
+                    {
+                        "worker-sigkill:redis-list",
+                        "worker-sigterm:redis-list",
+                        "broker-cut:redis-list",
+                        "broker-restart:redis-list",
+                    },
+                    when,
+                    INF,
+                )
+            ):
+                why = LIST_LOST_KILL
+        unfinished.append(
+            {"task_id": task_id, "broker": last["broker"], "class": why, "at": last["started"]}
+        )
+    return lost, unfinished
+
+
+def stale_refusals(led: Ledger) -> list[dict[str, Any]]:
+    """Duplicates refused after their holder had ended, each with its class."""
+    found = []
+    for kiq in led.kiqs:
+        if kiq["outcome"] != "duplicate":
+            continue
+        holder = kiq["holder"]
+        if holder is None:
+            found.append(
+                {"task_id": kiq["task_id"], "class": "holder unknown", "at": kiq["started"]}
+            )
+            continue
+        runs = led.runs_of.get(holder)
+        if not runs:
+            if holder in led.accepted and led.accepted[holder]["broker"] == "redis-list":
+                lost_after = led.faults_in(
+                    {
+                        "worker-sigkill:redis-list",
+                        "worker-sigterm:redis-list",
+                        "broker-cut:redis-list",
+                        "broker-restart:redis-list",
+                    },
+                    led.accepted[holder]["started"] - 1.0,
+                    kiq["started"],
+                )
+                if lost_after and kiq["started"] > lost_after[0]["started"] + 2.0:
+                    found.append(
+                        {"task_id": kiq["task_id"], "class": HOLDER_LOST, "at": kiq["started"]}
+                    )
+            continue  # still queued, or sent by a failed kiq
+        last = runs[-1]
+        complete = last["outcome"] == "ok" or (
+            last["outcome"] == "failed" and last["attempt"] >= MAX_ATTEMPTS - 1
+        )
+        ended = led.end(last)
+        if not (complete or (last["ended"] is None and last["pid"] in led.death)):
+            continue  # a retry is on its way: the lock is rightly held
+        if kiq["started"] < ended + RELEASE_MARGIN:
+            continue
+        death = led.death.get(last["pid"])
+        # Killed between the end of its body and its release: the lock lives one TTL.
+        killed_before_release = (
+            last["ended"] is not None
+            and death is not None
+            and led.died(last)
+            and death[1] - ended < RELEASE_MARGIN + 1.0
+        )
+        if killed_before_release and death is not None:
+            ended = death[1]
+        too_late = kiq["started"] > ended + led.ttl + RELEASE_MARGIN
+        if last["ended"] is None or killed_before_release:
+            why = "refused past the TTL of a killed holder" if too_late else HOLDER_KILLED
+        elif led.faults_in(REDIS_FAULTS, ended - led.timeout - 0.5, ended + led.timeout + 0.5):
+            why = "refused past the TTL of a lost release" if too_late else RELEASE_LOST
+        else:
+            why = "stale lock: refused after its holder ended"
+        found.append(
+            {
+                "task_id": kiq["task_id"],
+                "holder": holder,
+                "class": why,
+                "at": kiq["started"],
+                "after_end": kiq["started"] - ended,
+            }
+        )
+    return found
+
+
+def _percentiles(values: list[float]) -> dict[str, float | int]:
+    if not values:
+        return {"n": 0}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"n": len(ordered), "p50": at(0.5), "p99": at(0.99), "max": ordered[-1]}
+
+
+def latencies(led: Ledger) -> dict[str, Any]:
+    """kiq latency (whole kiq, and the lock's part) in quiet times and during each fault family."""
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for kiq in led.client_kiqs:
+        during = {f["kind"] for f in led.faults_in(set(REDIS_FAULTS), kiq["started"], kiq["ended"])}
+        if during:
+            for kind in during:
+                groups[kind].append(kiq)
+            groups["any Redis fault"].append(kiq)
+        elif led.faults_in({"broker-cut", "broker-restart"}, kiq["started"], kiq["ended"]):
+            groups["broker fault"].append(kiq)
+        else:
+            groups["no Redis or broker fault"].append(kiq)
+        groups["all"].append(kiq)
+    return {
+        name: {
+            "kiq": _percentiles([k["latency"] for k in kiqs]),
+            "lock": _percentiles([k["lock_latency"] for k in kiqs]),
+            "outcomes": dict(Counter(k["outcome"] for k in kiqs)),
+        }
+        for name, kiqs in sorted(groups.items())
+    }
+
+
+def memory(led: Ledger) -> list[dict[str, Any]]:
+    """First, last and largest resident memory of every process, in MiB."""
+    series: dict[tuple[int, str], list[tuple[float, int]]] = defaultdict(list)
+    for sample in led.rss:
+        if sample["kb"] == 0:
+            continue  # read while the process was exiting
+        series[(sample["pid"], sample["role"])].append((sample["at"], sample["kb"]))
+    rows = []
+    for samples in series.values():
+        samples.sort()
+    for (pid, role), samples in sorted(series.items(), key=lambda i: (i[0][1], i[1][0][0])):
+        start = samples[0][0]
+        settled = [kb for at, kb in samples if at - start >= 10.0] or [samples[-1][1]]
+        rows.append(
+            {
+                "pid": pid,
+                "role": role,
+                "seconds": round(samples[-1][0] - start, 1),
+                "first_mib": round(samples[0][1] / 1024, 1),
+                "after_10s_mib": round(settled[0] / 1024, 1),
+                "last_mib": round(samples[-1][1] / 1024, 1),
+                "max_mib": round(max(kb for _, kb in samples) / 1024, 1),
+            }
+        )
+    return rows
+
+
+def analyse(
+    data: dict[str, list[dict[str, Any]]], locks: list[dict[str, Any]], options: dict[str, Any]
+) -> dict[str, Any]:
+    """Check every invariant; return the figures and the list of breaches."""
+    led = Ledger(data, options)
+    found_overlaps = overlaps(led)
+    found_through = let_through(led)
+    lost, unfinished = never_ran(led)
+    stale = stale_refusals(led)
+    lat = latencies(led)
+    mem = memory(led)
+    bound = led.timeout + options["latency_margin"]
+    breaches: list[str] = []
+
+    def classes(items: list[dict[str, Any]]) -> dict[str, int]:
+        return dict(Counter(item["class"] for item in items))
+
+    for name, items in (
+        ("overlapping runs", found_overlaps),
+        ("sends let through", found_through),
+        ("accepted, never ran", lost),
+        ("ran, never completed", unfinished),
+        ("stale refusals", stale),
+    ):
+        for why, n in classes(items).items():
+            if why not in DOCUMENTED and why != "holder unknown":
+                breaches.append(f"{name}: {n} x {why}")
+    if locks:
+        breaches.append(f"locks left one TTL after everything ended: {len(locks)}")
+    slow = [k for k in led.client_kiqs if k["lock_latency"] > bound]
+    if slow:
+        worst = max(k["lock_latency"] for k in slow)
+        breaches.append(
+            f"kiq lock latency beyond socket_timeout + margin ({bound:.1f}s): "
+            f"{len(slow)} sends, worst {worst:.2f}s"
+        )
+    for row in mem:
+        if row["role"] == "client" or row["seconds"] >= 60:
+            grown = row["last_mib"] - row["after_10s_mib"]
+            if grown > max(50.0, 0.5 * row["after_10s_mib"]):
+                breaches.append(
+                    f"memory of {row['role']} {row['pid']} grew from "
+                    f"{row['after_10s_mib']} to {row['last_mib']} MiB"
+                )
+    return {
+        "options": options,
+        "totals": {
+            "sends": len(led.kiqs),
+            "sends_by_source": dict(Counter(k["source"] for k in led.kiqs)),
+            "outcomes": dict(Counter(k["outcome"] for k in led.kiqs)),
+            "errors": dict(
+                Counter((k["error"] or "").split(":")[0] for k in led.kiqs if k["error"])
+            ),
+            "runs": len(led.runs),
+            "run_outcomes": dict(Counter(r["outcome"] or "no end" for r in led.runs)),
+            "client_skipped": int(led.notes.get("client_skipped", 0)),
+            "faults": dict(Counter(f"{f['kind']}:{f['target']}" for f in led.faults)),
+        },
+        "faults": [{**f, "seconds": round(f["ended"] - f["started"], 2)} for f in led.faults],
+        "overlaps": classes(found_overlaps),
+        "let_through": classes(found_through),
+        "never_ran": classes(lost),
+        "never_completed": classes(unfinished),
+        "stale_refusals": classes(stale),
+        "locks_left": locks,
+        "latency_bound": bound,
+        "latency": lat,
+        "memory": mem,
+        "breaches": breaches,
+        "examples": {
+            "overlaps": [o for o in found_overlaps if o["class"] not in DOCUMENTED][:5],
+            "let_through": [o for o in found_through if o["class"] not in DOCUMENTED][:5],
+            "stale_refusals": [o for o in stale if o["class"] not in DOCUMENTED][:5],
+            "never_ran": [o for o in lost + unfinished if o["class"] not in DOCUMENTED][:5],
+        },
+    }
+
+
+def render(result: dict[str, Any]) -> str:
+    """The report as text."""
+    t = result["totals"]
+    lines = [
+        "",
+        "=== soak report ===",
+        (
+            f"sends: {t['sends']} {t['sends_by_source']} {t['outcomes']}; "
+            f"client skipped {t['client_skipped']}"
+        ),
+        f"send errors: {t['errors']}",
+        f"runs: {t['runs']} {t['run_outcomes']}",
+        f"faults: {sum(t['faults'].values())} {t['faults']}",
+        "",
+        "invariant (class: count; * = outside the documented windows)",
+    ]
+    for title, key in (
+        ("overlapping runs of one fingerprint", "overlaps"),
+        ("sends accepted while the first was queued/running", "let_through"),
+        ("accepted but never ran", "never_ran"),
+        ("ran but never completed", "never_completed"),
+        ("refused naming a holder that had ended", "stale_refusals"),
+    ):
+        counts = result[key]
+        shown = ", ".join(
+            f"{'' if why in DOCUMENTED else '*'}{why}: {n}" for why, n in sorted(counts.items())
+        )
+        lines.append(f"  {title}: {sum(counts.values())}" + (f" ({shown})" if shown else ""))
+    left = result["locks_left"]
+    lines.append(f"  locks left one TTL after the end: {len(left)}")
+    if left:
+        ttls = sorted(lock["pttl"] for lock in left)
+        lines.append(
+            f"    PTTL of those, ms: min {ttls[0]} max {ttls[-1]} "
+            "(near the TTL: something still refreshes them)"
+        )
+    lines += [
+        "",
+        f"kiq latency, seconds (bound for the lock's part: {result['latency_bound']:.1f})",
+    ]
+    for name, row in result["latency"].items():
+        kiq, lock = row["kiq"], row["lock"]
+        if not kiq["n"]:
+            continue
+        lines.append(
+            f"  {name:26} n={kiq['n']:6}  kiq p50 {kiq['p50']:.3f} p99 {kiq['p99']:.3f} "
+            f"max {kiq['max']:.3f} | lock p50 {lock['p50']:.3f} p99 {lock['p99']:.3f} "
+            f"max {lock['max']:.3f}  {row['outcomes']}"
+        )
+    lines += ["", "resident memory, MiB (first / after 10 s / last / max, seconds watched)"]
+    for row in result["memory"]:
+        if row["seconds"] < 5:
+            continue
+        lines.append(
+            f"  {row['role']:28} {row['pid']:8}  {row['first_mib']:6} {row['after_10s_mib']:6} "
+            f"{row['last_mib']:6} {row['max_mib']:6}  {row['seconds']:6}s"
+        )
+    lines.append("")
+    if result["breaches"]:
+        lines.append("BROKEN INVARIANTS:")
+        lines += [f"  - {b}" for b in result["breaches"]]
+    else:
+        lines.append("all invariants held")
+    return "\n".join(lines)

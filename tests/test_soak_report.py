@@ -1,0 +1,123 @@
+"""The soak's verdict (tests/soak/report.py) on small ledgers made up here.
+
+The soak itself runs for minutes (``python -m tests.soak``); these check only
+that its analysis tells a breach from a documented window.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.soak import report
+
+OPTIONS = {"ttl": 15, "socket_timeout": 1.0, "latency_margin": 0.5, "fail_open": ["redis-list"]}
+
+
+def kiq(task_id: str, fp: str, started: float, **extra: Any) -> dict[str, Any]:
+    row = {
+        "fp": fp,
+        "task_id": task_id,
+        "broker": "rabbitmq",
+        "started": started,
+        "ended": started + 0.01,
+        "latency": 0.01,
+        "lock_latency": 0.005,
+        "outcome": "accepted",
+        "holder": None,
+        "error": None,
+        "source": "client",
+    }
+    return {**row, **extra}
+
+
+def run(task_id: str, fp: str, started: float, ended: float | None, **extra: Any) -> dict[str, Any]:
+    row = {
+        "fp": fp,
+        "task_id": task_id,
+        "broker": "rabbitmq",
+        "attempt": 0,
+        "pid": 100,
+        "started": started,
+        "ended": ended,
+        "outcome": "ok" if ended is not None else None,
+    }
+    return {**row, **extra}
+
+
+def fault(kind: str, target: str, started: float, ended: float) -> dict[str, Any]:
+    return {"kind": kind, "target": target, "started": started, "ended": ended, "detail": ""}
+
+
+def verdict(
+    kiqs: list[dict[str, Any]],
+    runs: list[dict[str, Any]],
+    faults: list[dict[str, Any]] | None = None,
+    locks: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    data = {"kiqs": kiqs, "runs": runs, "faults": faults or [], "procs": [], "rss": [], "notes": []}
+    return report.analyse(data, locks or [], OPTIONS)
+
+
+def two_at_once() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    # Two sends of one call, the second while the first runs; both ran.
+    kiqs = [kiq("a", "f", 100.0), kiq("b", "f", 101.0)]
+    runs = [run("a", "f", 100.5, 103.0), run("b", "f", 101.5, 102.0, pid=101)]
+    return kiqs, runs
+
+
+def test_a_clean_ledger_holds_every_invariant() -> None:
+    kiqs = [kiq("a", "f", 100.0), kiq("b", "f", 101.0, outcome="duplicate", holder="a")]
+    result = verdict(kiqs, [run("a", "f", 100.5, 102.0)])
+    assert result["breaches"] == []
+    assert result["overlaps"] == {}
+
+
+def test_two_runs_at_once_without_a_fault_are_a_breach() -> None:
+    result = verdict(*two_at_once())
+    assert result["overlaps"] == {"unexplained": 1}
+    assert result["let_through"] == {"unexplained": 1}
+    assert any("overlapping runs" in b for b in result["breaches"])
+
+
+def test_two_runs_at_once_after_a_redis_restart_are_a_documented_window() -> None:
+    kiqs, runs = two_at_once()
+    result = verdict(kiqs, runs, [fault("redis-restart", "locks", 100.5, 100.6)])
+    assert result["overlaps"] == {report.LOST_IN_RESTART: 1}
+    assert result["breaches"] == []
+
+
+def test_a_redelivery_after_a_broker_cut_is_a_documented_window() -> None:
+    kiqs = [kiq("a", "f", 100.0)]
+    runs = [run("a", "f", 100.5, 103.0), run("a", "f", 101.5, 102.5, pid=101)]
+    result = verdict(kiqs, runs, [fault("broker-cut", "rabbitmq", 101.0, 101.2)])
+    assert result["overlaps"] == {report.CUT_REDELIVERED: 1}
+    assert result["breaches"] == []
+
+
+def test_an_accepted_send_that_never_ran_on_rabbitmq_is_a_breach() -> None:
+    result = verdict([kiq("a", "f", 100.0)], [])
+    assert result["never_ran"] == {"never ran on an at-least-once broker": 1}
+    assert result["breaches"]
+
+
+def test_a_list_message_lost_with_a_killed_worker_is_counted_apart() -> None:
+    kiqs = [kiq("a", "f", 100.0, broker="redis-list")]
+    result = verdict(kiqs, [], [fault("worker-sigkill", "redis-list", 100.2, 100.2)])
+    assert result["never_ran"] == {report.LIST_LOST_KILL: 1}
+    assert result["breaches"] == []
+
+
+def test_a_refusal_long_after_the_holder_ended_is_a_stale_lock() -> None:
+    kiqs = [kiq("a", "f", 100.0), kiq("b", "f", 110.0, outcome="duplicate", holder="a")]
+    result = verdict(kiqs, [run("a", "f", 100.5, 101.0)])
+    assert result["stale_refusals"] == {"stale lock: refused after its holder ended": 1}
+    assert result["breaches"]
+
+
+def test_locks_left_and_slow_sends_are_breaches() -> None:
+    kiqs = [kiq("a", "f", 100.0, lock_latency=1.6, latency=1.6)]
+    locks = [{"key": "k", "value": "owner a", "pttl": 14000}]
+    result = verdict(kiqs, [run("a", "f", 102.0, 103.0)], locks=locks)
+    assert len(result["breaches"]) == 2
+    assert "locks left" in result["breaches"][0]
+    assert "latency" in result["breaches"][1]
