@@ -9,6 +9,8 @@ Redis instead of exhausting the client's pool.
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from redis.asyncio import Redis
-    from redis.asyncio.connection import AbstractConnection
+    from redis.asyncio.connection import AbstractConnection, ConnectionPool
     from redis.commands.core import AsyncScript
 
 logger = logging.getLogger(__name__)
@@ -299,7 +301,8 @@ class _Connection:
 
     async def _connection(self) -> AbstractConnection:
         if self._held is None:
-            self._held = await self._pool.get_connection()  # type: ignore[no-untyped-call]
+            args = ("EVALSHA",) if _wants_command_name(type(self._pool)) else ()
+            self._held = await self._pool.get_connection(*args)  # type: ignore[no-untyped-call]
         return self._held
 
     async def _drop(self, connection: AbstractConnection) -> None:
@@ -312,6 +315,17 @@ class _Connection:
         if self._held is not None:
             connection, self._held = self._held, None
             await self._pool.release(connection)
+
+
+@functools.cache
+def _wants_command_name(pool_class: type[ConnectionPool]) -> bool:
+    """Whether the pool's ``get_connection`` requires a command name.
+
+    redis-py 5.0.1 to 5.2.1 require one (and ignore it); from 5.3 on it is
+    optional and passing it is deprecated (a warning).
+    """
+    parameter = inspect.signature(pool_class.get_connection).parameters.get("command_name")
+    return parameter is not None and parameter.default is inspect.Parameter.empty
 
 
 async def _read_reply(connection: AbstractConnection) -> Any:  # noqa: ANN401 (any reply)
