@@ -20,7 +20,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-from pydantic import RedisDsn
+import pydantic
+import pydantic_core
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import parse_url
@@ -46,6 +47,8 @@ from taskiq_deduplication.lock import (
 )
 
 if TYPE_CHECKING:
+    from pydantic import RedisDsn
+
     RedisClient = Redis | RedisCluster
 
 __all__ = ["RedisDeduplicationMiddleware"]
@@ -503,6 +506,11 @@ def _current_task() -> asyncio.Task[Any]:
 # Checking the options
 
 
+# A RedisDsn, as every pydantic 2 spells it: from 2.10 on a subclass of AnyUrl;
+# before, an Annotated alias of pydantic_core.Url, which isinstance() refuses.
+_PYDANTIC_URLS: Final = (pydantic.AnyUrl, pydantic_core.Url, pydantic_core.MultiHostUrl)
+
+
 def _check_connection(redis_url: str | RedisDsn | None, client: object) -> str | None:
     if (redis_url is None) == (client is None):
         msg = "pass exactly one of redis_url and client"
@@ -515,7 +523,7 @@ def _check_connection(redis_url: str | RedisDsn | None, client: object) -> str |
             )
             raise ValueError(msg)
         return None
-    url = str(redis_url) if isinstance(redis_url, RedisDsn) else redis_url
+    url = str(redis_url) if isinstance(redis_url, _PYDANTIC_URLS) else redis_url
     if not isinstance(url, str) or not url:
         msg = f"redis_url must be a non-empty string or RedisDsn, not {redis_url!r}"
         raise ValueError(msg)
