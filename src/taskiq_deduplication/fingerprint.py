@@ -17,7 +17,9 @@ import base64
 import dataclasses
 import enum
 import hashlib
+import ipaddress
 import json
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,6 +29,17 @@ import pydantic_core
 __all__ = ["call_fingerprint", "fields_fingerprint"]
 
 _JSON_SCALARS = (str, int, float, bool, type(None))
+# Encoded as their str(), which is what a recent pydantic-core gives too (so the
+# fingerprints stay the same); older ones (pydantic 2.0.x) cannot encode them.
+_AS_STRING = (
+    uuid.UUID,
+    ipaddress.IPv4Address,
+    ipaddress.IPv6Address,
+    ipaddress.IPv4Interface,
+    ipaddress.IPv6Interface,
+    ipaddress.IPv4Network,
+    ipaddress.IPv6Network,
+)
 
 
 def call_fingerprint(task_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
@@ -99,6 +112,8 @@ def _canonical(value: Any, depth: int) -> Any:  # noqa: ANN401 (any argument val
         return [_canonical(item, depth) for item in value]
     if isinstance(value, (set, frozenset)):
         return sorted((_canonical(item, depth) for item in value), key=_sort_key)
+    if isinstance(value, _AS_STRING):
+        return str(value)
     return _canonical(_plainer(value), depth)
 
 

@@ -21,7 +21,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-from pydantic import RedisDsn
+import pydantic
+import pydantic_core
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import parse_url
@@ -47,6 +48,7 @@ from taskiq_deduplication.lock import (
 from taskiq_deduplication.loops import LoopState, LoopStates
 
 if TYPE_CHECKING:
+    from pydantic import RedisDsn
     from taskiq.abc.broker import AsyncBroker
 
     RedisClient = Redis | RedisCluster
@@ -560,6 +562,11 @@ def _current_task() -> asyncio.Task[Any]:
 # Checking the options
 
 
+# A RedisDsn, as every pydantic 2 spells it: from 2.10 on a subclass of AnyUrl;
+# before, an Annotated alias of pydantic_core.Url, which isinstance() refuses.
+_PYDANTIC_URLS: Final = (pydantic.AnyUrl, pydantic_core.Url, pydantic_core.MultiHostUrl)
+
+
 def _check_connection(redis_url: str | RedisDsn | None, client: object) -> str | None:
     if (redis_url is None) == (client is None):
         msg = "pass exactly one of redis_url and client"
@@ -572,7 +579,7 @@ def _check_connection(redis_url: str | RedisDsn | None, client: object) -> str |
             )
             raise ValueError(msg)
         return None
-    url = str(redis_url) if isinstance(redis_url, RedisDsn) else redis_url
+    url = str(redis_url) if isinstance(redis_url, _PYDANTIC_URLS) else redis_url
     if not isinstance(url, str) or not url:
         msg = f"redis_url must be a non-empty string or RedisDsn, not {redis_url!r}"
         raise ValueError(msg)

@@ -14,6 +14,8 @@ bounded memory.
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -28,7 +30,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from redis.asyncio import Redis
-    from redis.asyncio.connection import AbstractConnection
+    from redis.asyncio.connection import AbstractConnection, ConnectionPool
     from redis.commands.core import AsyncScript
 
 logger = logging.getLogger(__name__)
@@ -638,7 +640,8 @@ class _Connection:
         try:
             if self._held is None or not self._held.is_connected:
                 await self._give_back(disconnect=True)  # one the client closed under us
-                self._held = connection = await self._pool.get_connection()  # type: ignore[no-untyped-call]
+                args = ("EVALSHA",) if _wants_command_name(type(self._pool)) else ()
+                self._held = connection = await self._pool.get_connection(*args)  # type: ignore[no-untyped-call]
                 # A hung server still accepts connections (its kernel does): lock
                 # calls go out only on a connection that has answered, so a hung
                 # server does not collect batch after batch to run when it wakes.
@@ -670,6 +673,17 @@ class _Connection:
         self._closed = True
         if not self._in_use:  # else the operation under way gives it back
             await self._give_back()
+
+
+@functools.cache
+def _wants_command_name(pool_class: type[ConnectionPool]) -> bool:
+    """Whether the pool's ``get_connection`` requires a command name.
+
+    redis-py 5.0.1 to 5.2.1 require one (and ignore it); from 5.3 on it is
+    optional and passing it is deprecated (a warning).
+    """
+    parameter = inspect.signature(pool_class.get_connection).parameters.get("command_name")
+    return parameter is not None and parameter.default is inspect.Parameter.empty
 
 
 async def _read_reply(connection: AbstractConnection) -> Any:  # noqa: ANN401 (any reply)
