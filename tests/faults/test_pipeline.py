@@ -72,7 +72,7 @@ async def test_every_kiq_against_a_hung_redis_ends_within_its_timeout(
     async def job(n: int) -> None: ...
 
     await job.kiq(n=-1)  # connected, scripts loaded
-    latencies: list[float] = []
+    spans: list[tuple[float, float]] = []
     errors: list[BaseException] = []
 
     async def one(n: int) -> None:
@@ -81,7 +81,7 @@ async def test_every_kiq_against_a_hung_redis_ends_within_its_timeout(
             await job.kiq(n=n)
         except redis.exceptions.TimeoutError as exc:
             errors.append(exc)
-        latencies.append(time.monotonic() - started)
+        spans.append((started, time.monotonic()))
 
     server.pause()
     try:
@@ -89,7 +89,13 @@ async def test_every_kiq_against_a_hung_redis_ends_within_its_timeout(
     finally:
         server.resume()
     assert len(errors) == 3000  # each one timed out, none was sent
-    assert max(latencies) < TIMEOUT + MARGIN, f"{min(latencies):.2f}-{max(latencies):.2f}s"
+    # No kiq ends later than its deadline, or than the moment the event loop is
+    # done starting them all (on a loaded machine that can take longer than the
+    # timeout), by more than the margin.
+    last_start = max(start for start, _ in spans)
+    overrun = max(end - max(start + TIMEOUT, last_start) for start, end in spans)
+    latencies = [end - start for start, end in spans]
+    assert overrun < MARGIN, f"{min(latencies):.2f}-{max(latencies):.2f}s"
     assert backlog(middleware) < 100  # the expired calls are gone
 
     await job.kiq(n=3000)  # works again once Redis does
@@ -123,11 +129,14 @@ async def test_a_stream_of_kiqs_during_an_outage_keeps_latency_and_backlog_bound
 
     rate, pause = 1000, 4.0  # kiqs per second, seconds of outage
     sending: list[asyncio.Task[None]] = []
+    lag = 0.0  # the longest the event loop was too busy to notice a timer
     server.pause()
     try:
         for tick in range(int(pause * 10)):
             sending += [asyncio.create_task(one(tick * 100 + i)) for i in range(rate // 10)]
+            slept = time.monotonic()
             await asyncio.sleep(0.1)
+            lag = max(lag, time.monotonic() - slept - 0.1)
             peak_backlog = max(peak_backlog, backlog(middleware))
         await asyncio.gather(*sending)
     finally:
@@ -135,7 +144,8 @@ async def test_a_stream_of_kiqs_during_an_outage_keeps_latency_and_backlog_bound
     # The queue holds about one timeout's worth of calls; without deadlines it
     # grew by half the rate every second (~2,000 after 4 s).
     assert peak_backlog <= 2 * rate * TIMEOUT, peak_backlog
-    assert max(latencies) < TIMEOUT + MARGIN, f"{min(latencies):.2f}-{max(latencies):.2f}s"
+    worst = f"{min(latencies):.2f}-{max(latencies):.2f}s, loop lag up to {lag:.2f}s"
+    assert max(latencies) < TIMEOUT + MARGIN + lag, worst
 
     await job.kiq(n=-2)  # works again
     with admin(server.port) as client:
