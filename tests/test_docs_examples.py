@@ -3,44 +3,98 @@
 Each file under ``docs/examples/`` is run as a script, the way a reader would run
 it, against the session's Redis (``REDIS_URL``). The scripts are started all at
 once, a few at a time, and each test waits for its own, so the whole module
-costs about as long as its slowest examples rather than their sum.
+costs about as long as its slowest examples rather than their sum. The pair in
+``docs/examples/worker/`` (a tasks module and a sender) runs against a real
+``taskiq worker`` process instead.
+
+Every sample output on the site comes from a run too: a page shows it by
+including ``docs/examples/<name>.out``, and the test of ``<name>.py`` compares
+what the script printed (stdout and stderr, in order) with that file, once task
+ids, owner tokens, digests, run suffixes and ports are replaced by placeholders.
+After a change that alters an output on purpose, record the files again with
+``DOCS_EXAMPLES_RECORD=1 .venv/bin/pytest tests/test_docs_examples.py``.
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 EXAMPLES = sorted((DOCS / "examples").glob("*.py"))
+WORKER_APP = DOCS / "examples" / "worker"
+EVERY_EXAMPLE = sorted((DOCS / "examples").rglob("*.py"))
+OUTPUTS = sorted((DOCS / "examples").rglob("*.out"))
 PAGES = sorted(DOCS.glob("*.md"))
 
 # Each example finishes in a few seconds; a hung one fails instead of stalling.
 _TIMEOUT = 30
 _PARALLEL = 4
+_RECORD = os.environ.get("DOCS_EXAMPLES_RECORD") == "1"
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>```+|~~~+)[ \t]*(?P<info>[^\n]*)$", re.MULTILINE)
 _SNIPPET = re.compile(r"""--8<--\s+["'](?P<path>[^"':]+)(?::[^"']+)?["']""")
 
+# What differs from run to run, in the order it is replaced. Each pattern matches
+# only the exact shape the library produces (a 43-character base64url digest, an
+# 11-character token), so a change of format shows up as a difference.
+_VARYING = (
+    (re.compile(r"\b[0-9a-f]{32}\b"), "<task_id>"),
+    (re.compile(r"(?<=:)[A-Za-z0-9_-]{43}(?![A-Za-z0-9_-])"), "<digest>"),
+    (re.compile(r"(?<![A-Za-z0-9_-])[A-Za-z0-9_-]{11}(?= (?:of task )?<task_id>)"), "<token>"),
+    (re.compile(r"(?<=-)[0-9a-f]{8}(?=:)"), "<run>"),
+    (re.compile(r"(?<=127\.0\.0\.1:)\d+|(?<='127\.0\.0\.1', )\d+"), "<port>"),
+)
 
-def _run(example: Path, redis_url: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
+
+def normalised(output: str) -> str:
+    """``output`` with what differs between runs replaced by placeholders."""
+    for pattern, placeholder in _VARYING:
+        output = pattern.sub(placeholder, output)
+    return output
+
+
+def _env(redis_url: str) -> dict[str, str]:
+    return {**os.environ, "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
+
+
+def _run(example: Path, redis_url: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    # stderr goes into stdout, so that log lines keep their place among the prints.
     return subprocess.run(
-        [sys.executable, str(example)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
+        # A relative path, as a reader types it: taskiq names the tasks after it.
+        [sys.executable, str(example.relative_to(cwd))],
+        cwd=cwd,
+        env=_env(redis_url),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
         timeout=_TIMEOUT,
         check=False,
+    )
+
+
+def _check_output(example: Path, output: str) -> None:
+    """Compare with ``<example>.out`` if the docs show this example's output."""
+    expected = example.with_suffix(".out")
+    if _RECORD and expected.exists():
+        expected.write_text(output, "utf-8")
+    if not expected.exists():
+        return
+    assert normalised(output) == normalised(expected.read_text("utf-8")), (
+        f"{example.name} printed something else than {expected.name} shows:\n{output}"
     )
 
 
@@ -66,10 +120,8 @@ def test_there_are_examples() -> None:
 @pytest.mark.parametrize("example", EXAMPLES, ids=[path.name for path in EXAMPLES])
 def test_example_runs(example: Path, example_runs: Runs) -> None:
     run = example_runs[example].result(timeout=_TIMEOUT + 5)
-    assert run.returncode == 0, (
-        f"{example.name} exited with {run.returncode}\n"
-        f"--- stdout ---\n{run.stdout}\n--- stderr ---\n{run.stderr}"
-    )
+    assert run.returncode == 0, f"{example.name} exited with {run.returncode}\n{run.stdout}"
+    _check_output(example, run.stdout)
 
 
 def _code_blocks(text: str) -> list[tuple[str, str]]:
@@ -114,11 +166,106 @@ def test_python_blocks_of_a_page_are_included_from_examples(page: Path) -> None:
             assert (ROOT / match["path"]).is_file(), f"{page.name}: {match['path']} is missing"
 
 
-def test_every_example_appears_in_the_docs() -> None:
+@pytest.mark.parametrize("page", PAGES, ids=[path.name for path in PAGES])
+def test_sample_outputs_of_a_page_come_from_runs(page: Path) -> None:
+    for info, body in _code_blocks(page.read_text("utf-8")):
+        if info != "text":
+            continue
+        lines = [line.strip() for line in body.splitlines() if line.strip()]
+        match = _SNIPPET.fullmatch(lines[0]) if len(lines) == 1 else None
+        assert match is not None, (
+            f"{page.name}: a text block that no run printed ({body[:60]!r}...); "
+            'show the output of an example with --8<-- "docs/examples/<name>.out"'
+        )
+        output = ROOT / match["path"]
+        assert output.suffix == ".out", f"{page.name}: {match['path']} is not an output"
+        assert output.is_file(), f"{page.name}: {match['path']} is missing"
+        assert output.with_suffix(".py").is_file(), f"{match['path']}: no script printed it"
+
+
+def test_every_example_and_output_appears_in_the_docs() -> None:
     included = {
         (ROOT / match["path"]).resolve()
         for page in PAGES
         for match in _SNIPPET.finditer(page.read_text("utf-8"))
     }
-    orphans = [example.name for example in EXAMPLES if example.resolve() not in included]
-    assert not orphans, f"examples that no page includes: {orphans}"
+    orphans = [
+        str(path.relative_to(DOCS))
+        for path in [*EVERY_EXAMPLE, *OUTPUTS]
+        if path.resolve() not in included
+    ]
+    assert not orphans, f"examples or outputs that no page includes: {orphans}"
+
+
+def test_python_blocks_of_the_readme_compile() -> None:
+    # The README is rendered on PyPI, where snippets do not work: its code is inline.
+    for info, body in _code_blocks((ROOT / "README.md").read_text("utf-8")):
+        if _is_python(info):
+            compile(body, "README.md", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+
+
+def test_install_lines_name_this_distribution() -> None:
+    declared = re.search(r'^name = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+    assert declared is not None
+    for page in [ROOT / "README.md", *PAGES]:
+        for line in page.read_text("utf-8").splitlines():
+            install = re.search(r"pip install (?!-e\b)['\"]?([A-Za-z0-9_.-]+)", line)
+            if install is not None and install[1].startswith("taskiq-d"):
+                assert install[1] == declared[1], f"{page.name}: {line.strip()}"
+
+
+# redis-py 8 gives up on a reply after 5 s by default (its socket_timeout). The
+# worker waits longer than that for its first message, as a worker does between
+# messages: without socket_timeout=None on its broker, it dies in that pause.
+_IDLE = 7.0
+_WORKER_START = 30.0
+_QUEUE = "welcome"  # the queue_name in docs/examples/worker/tasks.py
+
+
+def _wait_for_text(path: Path, text: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in path.read_text("utf-8", errors="replace"):
+        assert time.monotonic() < deadline, f"no {text!r} within {timeout} s:\n{path.read_text()}"
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(90)
+def test_getting_started_runs_against_a_taskiq_worker(redis_url: str, tmp_path: Path) -> None:
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    client.delete(_QUEUE)  # a message that an aborted run left would be run first
+    log = tmp_path / "worker.log"
+    with log.open("w") as out:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "taskiq", "worker", "tasks:broker", "--workers", "1"],
+            cwd=WORKER_APP,
+            env=_env(redis_url),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        _wait_for_text(log, "Listening started.", _WORKER_START)
+        time.sleep(_IDLE)
+        run = _run(WORKER_APP / "send.py", redis_url, cwd=WORKER_APP)
+        assert run.returncode == 0, f"send.py exited with {run.returncode}\n{run.stdout}"
+        _check_output(WORKER_APP / "send.py", run.stdout)
+
+        held = re.search(r"holds lock '([^']+)'", run.stdout)
+        assert held is not None, run.stdout
+        deadline = time.monotonic() + 10
+        while client.exists(held[1]):  # the worker releases it when the task ends
+            assert time.monotonic() < deadline, f"{held[1]} still held after the task"
+            time.sleep(0.05)
+        worker_log = log.read_text("utf-8", errors="replace")
+        assert "is dead" not in worker_log, worker_log
+        assert worker_log.count("Listening started.") == 1, worker_log  # never restarted
+        assert "Traceback" not in worker_log, worker_log
+        assert worker.poll() is None, worker_log
+    finally:
+        # An idle taskiq-redis worker without a read timeout stops only at its
+        # next message (see docs/deploying.md), so it is killed, with its child.
+        with contextlib.suppress(ProcessLookupError):  # it died on its own
+            os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait(timeout=10)
+        client.delete(_QUEUE)
+        client.close()

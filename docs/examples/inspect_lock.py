@@ -1,6 +1,7 @@
 """A look at a lock in Redis: its key, its value and its TTL, during and after."""
 
 import asyncio
+import math
 import os
 import uuid
 
@@ -31,7 +32,7 @@ async def show(client: redis.asyncio.Redis, moment: str) -> None:
         print(f"{moment}: no lock")
     for key in keys:
         value, ttl_ms = await client.get(key), await client.pttl(key)
-        print(f"{moment}: {key} = {value!r}, expires in {ttl_ms / 1000:.1f} s")
+        print(f"{moment}: {key} = {value!r}, expires within {math.ceil(ttl_ms / 1000)} s")
 
 
 async def main() -> None:

@@ -1,6 +1,7 @@
 """Choosing the lock TTL for one call, at the call site."""
 
 import asyncio
+import math
 import os
 import uuid
 
@@ -25,7 +26,7 @@ async def export_table(table: str) -> None:
 async def show_ttl(client: redis.asyncio.Redis, what: str) -> None:
     await asyncio.sleep(0.1)  # the extension to the full TTL is sent in the background
     async for key in client.scan_iter(match=f"{PREFIX}:*"):
-        print(f"{what}: lock expires in {await client.ttl(key)} s")
+        print(f"{what}: lock expires within {math.ceil(await client.pttl(key) / 1000)} s")
 
 
 async def main() -> None:

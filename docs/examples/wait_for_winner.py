@@ -20,7 +20,8 @@ result_backend: RedisAsyncResultBackend[int] = RedisAsyncResultBackend(
     REDIS_URL, result_ex_time=600
 )
 broker = (
-    ListQueueBroker(REDIS_URL, queue_name=f"winner-{RUN}")
+    # socket_timeout=None keeps an idle worker alive with redis-py 8 (see Getting started).
+    ListQueueBroker(REDIS_URL, queue_name=f"winner-{RUN}", socket_timeout=None)
     .with_result_backend(result_backend)
     .with_middlewares(RedisDeduplicationMiddleware(REDIS_URL, key_prefix=f"wait-{RUN}"))
 )

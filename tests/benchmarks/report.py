@@ -26,7 +26,7 @@ def machine(server_version: str, *, own_server: bool) -> Results:
             if line.startswith("model name"):
                 cpu_model = line.partition(":")[2].strip()
                 break
-    packages = ("taskiq", "taskiq-redis", "redis", "taskiq-deduplication", "hiredis")
+    packages = ("taskiq", "taskiq-redis", "redis", "taskiq-dedup", "hiredis")
     versions = {package: _version(package) for package in packages}
     return {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

@@ -1,0 +1,36 @@
+"""The application's tasks: the module that the worker and the senders import.
+
+Start a worker from this directory with ``taskiq worker tasks:broker``, then send
+it tasks with ``python send.py``.
+"""
+
+import asyncio
+import os
+
+from taskiq_redis import ListQueueBroker, RedisAsyncResultBackend
+
+from taskiq_deduplication import RedisDeduplicationMiddleware
+
+REDIS_URL = os.environ.get("REDIS_URL", "redis://localhost:6379")
+
+# --8<-- [start:broker]
+broker = (
+    ListQueueBroker(
+        REDIS_URL,
+        queue_name="welcome",
+        # redis-py 8 gives up on a reply after 5 s, and an idle worker waits longer
+        # than that for its next message: without this line it dies (see below).
+        socket_timeout=None,
+    )
+    .with_result_backend(RedisAsyncResultBackend(REDIS_URL, result_ex_time=60))
+    .with_middlewares(RedisDeduplicationMiddleware(REDIS_URL))
+)
+
+
+@broker.task
+async def send_welcome_email(user_id: int) -> str:
+    await asyncio.sleep(0.3)  # talking to the mail server
+    return f"welcome email sent to user {user_id}"
+
+
+# --8<-- [end:broker]
