@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.soak import report
+import pytest
+
+# The soak's modules need its extra (psycopg, taskiq-redis); the floors check has neither.
+pytest.importorskip("psycopg", reason="the soak's report needs the soak extra (psycopg)")
+pytest.importorskip("taskiq_redis", reason="the soak's report needs the soak extra (taskiq-redis)")
+
+from tests.soak import report  # noqa: E402 (after the checks that it can be imported)
 
 OPTIONS = {"ttl": 15, "socket_timeout": 1.0, "latency_margin": 0.5, "fail_open": ["redis-list"]}
 
