@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("psycopg", reason="the soak's report needs the soak extra (psycopg)")
 pytest.importorskip("taskiq_redis", reason="the soak's report needs the soak extra (taskiq-redis)")
 
-from tests.soak import report  # noqa: E402 (after the checks that it can be imported)
+from tests.soak import report
 
 OPTIONS = {"ttl": 15, "socket_timeout": 1.0, "latency_margin": 0.5, "fail_open": ["redis-list"]}
 
