@@ -136,7 +136,7 @@ async def test_a_loop_closed_without_shutting_down_its_generators_is_dropped(
 
     await asyncio.get_running_loop().run_in_executor(None, in_a_bare_loop)
     assert len(middleware._states) == 1
-    await broker.startup()  # a state for this loop; the closed loop's goes
+    await middleware.startup()  # a state for this loop; the closed loop's goes
     assert len(middleware._states) == 1
     with warnings.catch_warnings():
         # The sender task that loop had just made never ran: the price of closing
@@ -145,7 +145,7 @@ async def test_a_loop_closed_without_shutting_down_its_generators_is_dropped(
         gc.collect()
     await job.kiq(n=2)
     assert len(await lock_keys(redis_client, prefix)) == 2
-    await broker.shutdown()
+    await middleware.shutdown()
     assert len(middleware._states) == 0
 
 

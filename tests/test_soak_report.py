@@ -127,3 +127,15 @@ def test_locks_left_and_slow_sends_are_breaches() -> None:
     assert len(result["breaches"]) == 2
     assert "locks left" in result["breaches"][0]
     assert "latency" in result["breaches"][1]
+
+
+def test_a_list_run_whose_unseen_worker_died_in_a_broker_fault_is_counted_apart() -> None:
+    # taskiq had just started the worker process, and a broker restart ended it
+    # within its first second: the sampler never saw it, nor its death.
+    kiqs = [kiq("a", "f", 100.0, broker="redis-list")]
+    runs = [run("a", "f", 100.5, None, broker="redis-list", pid=555)]
+    result = verdict(kiqs, runs, [fault("broker-restart", "redis-list", 100.55, 100.6)])
+    assert result["never_completed"] == {report.WORKER_DIED_LIST: 1}
+    assert result["breaches"] == []
+    # Without the fault, the same lost run is a breach.
+    assert verdict(kiqs, runs)["never_completed"] == {"run never ended": 1}

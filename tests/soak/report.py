@@ -75,6 +75,8 @@ class Ledger:
         self.end_of_run = max(
             [r["ended"] or r["started"] for r in self.runs] + [k["ended"] for k in self.kiqs] + [0]
         )
+        self.seen = {p["pid"] for p in self.procs}
+        """Every process the sampler saw alive at least once."""
         self.death: dict[int, tuple[str, float]] = {
             p["pid"]: (p["fate"], p["last_seen"]) for p in self.procs if p["fate"] != "alive"
         }
@@ -300,6 +302,19 @@ def never_ran(led: Ledger) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
                     died_at + 1.0,
                 )
                 why = WORKER_DIED_LIST if broker_fault else "its worker process died (unexplained)"
+            elif (
+                last["broker"] == "redis-list"
+                and last["pid"] not in led.seen
+                and led.faults_in(
+                    {"broker-cut:redis-list", "broker-restart:redis-list"},
+                    last["started"] - 1.0,
+                    last["started"] + 3.0,
+                )
+            ):
+                # Processes are sampled once a second: a worker that taskiq had just
+                # started, and that died in a broker fault within its first second,
+                # was never seen, and neither was its death.
+                why = WORKER_DIED_LIST
             else:
                 why = "run never ended"
         else:  # failed, and its retry never ran
