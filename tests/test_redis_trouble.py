@@ -184,10 +184,9 @@ async def test_cancelling_the_caller_that_sends_a_batch_loses_no_other_call(
             if len(self.queued) == 1:
                 server.pause()
 
-    broker = PausingBroker().with_middlewares(
-        RedisDeduplicationMiddleware(redis_url=server.url + FAST, default_ttl=60)
-    )
-    await broker.startup()
+    dedup = RedisDeduplicationMiddleware(redis_url=server.url + FAST, default_ttl=60)
+    broker = PausingBroker().with_middlewares(dedup)
+    await dedup.startup()
     client = redis.asyncio.Redis.from_url(server.url, decode_responses=True)
     caplog.set_level(logging.WARNING, logger="taskiq_deduplication")
 
@@ -201,7 +200,7 @@ async def test_cancelling_the_caller_that_sends_a_batch_loses_no_other_call(
     with pytest.raises(asyncio.CancelledError):
         await second
     server.resume()
-    await broker.shutdown()  # the first send's extension is sent again
+    await dedup.shutdown()  # the first send's extension is sent again
     ttls = {str(await client.get(key)): await client.pttl(key) for key in await client.keys("*")}
     (first_ttl,) = [ttl for value, ttl in ttls.items() if value.endswith(first.task_id)]
     assert first_ttl > 10_000  # its full TTL, not the grace TTL
