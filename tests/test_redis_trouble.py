@@ -257,17 +257,24 @@ class _RefuseScriptsForRetries(TaskiqMiddleware):
         await self.admin.acl_setuser(self.user, commands=["+evalsha", "+eval"])
 
 
-@pytest.mark.parametrize("retry_first", [True, False], ids=["retry-first", "dedup-first"])
-async def test_a_fail_open_retry_that_went_out_without_a_lock_frees_the_old_one(
-    server: Server, retry_first: bool, caplog: pytest.LogCaptureFixture
-) -> None:
+async def _fail_open_as_a_user_of_its_own(
+    server: Server,
+) -> tuple[redis.asyncio.Redis, _RefuseScriptsForRetries, RedisDeduplicationMiddleware]:
+    """A fail-open middleware on a Redis user whose scripts a retry's send takes away."""
     admin = redis.asyncio.Redis.from_url(server.url, decode_responses=True)
     await admin.acl_setuser(
         "dedup", enabled=True, passwords=["+secret"], keys=["*"], commands=["+@all"]
     )
-    refuse = _RefuseScriptsForRetries(admin, "dedup")
     url = server.url.replace("redis://", "redis://dedup:secret@", 1) + FAST
     dedup = RedisDeduplicationMiddleware(redis_url=url, default_ttl=120, fail_open=True)
+    return admin, _RefuseScriptsForRetries(admin, "dedup"), dedup
+
+
+@pytest.mark.parametrize("retry_first", [True, False], ids=["retry-first", "dedup-first"])
+async def test_a_fail_open_retry_that_went_out_without_a_lock_frees_the_old_one(
+    server: Server, retry_first: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    admin, refuse, dedup = await _fail_open_as_a_user_of_its_own(server)
     retry = SimpleRetryMiddleware(default_retry_count=3)
     # A held queue, as a real broker is: each run starts in a context of its own.
     broker = HoldingBroker().with_middlewares(
@@ -305,13 +312,7 @@ async def test_a_fail_open_retry_run_in_memory_leaves_the_first_run_to_itself(
 ) -> None:
     # InMemoryBroker starts the retry from inside the failing run, so the retry's
     # run inherits a copy of its context: it must not take the first run for its own.
-    admin = redis.asyncio.Redis.from_url(server.url, decode_responses=True)
-    await admin.acl_setuser(
-        "dedup", enabled=True, passwords=["+secret"], keys=["*"], commands=["+@all"]
-    )
-    refuse = _RefuseScriptsForRetries(admin, "dedup")
-    url = server.url.replace("redis://", "redis://dedup:secret@", 1) + FAST
-    dedup = RedisDeduplicationMiddleware(redis_url=url, default_ttl=120, fail_open=True)
+    admin, refuse, dedup = await _fail_open_as_a_user_of_its_own(server)
     broker = InMemoryBroker().with_middlewares(
         SimpleRetryMiddleware(default_retry_count=3), refuse, dedup
     )
