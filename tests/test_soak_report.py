@@ -139,3 +139,14 @@ def test_a_list_run_whose_unseen_worker_died_in_a_broker_fault_is_counted_apart(
     assert result["breaches"] == []
     # Without the fault, the same lost run is a breach.
     assert verdict(kiqs, runs)["never_completed"] == {"run never ended": 1}
+
+
+def test_a_retry_refused_after_its_lock_was_lost_in_a_restart_is_a_documented_window() -> None:
+    # Queued while Redis restarted empty; a later send of the call took the lock,
+    # so the first one's retry was refused as that send's duplicate.
+    kiqs = [kiq("a", "f", 100.0)]
+    runs = [run("a", "f", 106.0, 107.0, outcome="failed")]
+    result = verdict(kiqs, runs, [fault("redis-restart", "locks", 101.0, 101.1)])
+    assert result["never_completed"] == {report.LOST_IN_RESTART: 1}
+    assert result["breaches"] == []
+    assert verdict(kiqs, runs)["never_completed"] == {"retry lost": 1}

@@ -333,6 +333,13 @@ def never_ran(led: Ledger) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
                 # Its lock expired in the queue and another send took it: the
                 # retry is refused as that one's duplicate.
                 why = QUEUED_TOO_LONG
+            if why == "retry lost" and led.faults_in(
+                {"redis-restart:locks"}, kiq["ended"], runs[0]["started"]
+            ):
+                # Its lock was lost in a Redis restart while it was queued, and a
+                # later send of the same call took it: the retry is refused as
+                # that one's duplicate (and the call runs as that one).
+                why = LOST_IN_RESTART
             if (
                 why == "retry lost"
                 and last["broker"] == "redis-list"
