@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from taskiq import (
     AsyncBroker,
+    AsyncTaskiqTask,
     BrokerMessage,
     Context,
     InMemoryBroker,
@@ -81,6 +82,23 @@ class Recorder(TaskiqMiddleware):
         self._record("post_execute", message)
         self.messages_at_post_execute.append(message)
         self.results.append(result)
+
+
+async def run_a_task_that_fails_once(*middlewares: TaskiqMiddleware) -> AsyncTaskiqTask[None]:
+    """Kick a task whose first attempt fails on a broker with ``middlewares``; wait for all runs."""
+    broker = InMemoryBroker().with_middlewares(*middlewares)
+    calls = 0
+
+    @broker.task(retry_on_error=True, max_retries=3)
+    async def flaky() -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("first attempt fails")
+
+    task = await flaky.kiq()
+    await drain(broker)
+    return task
 
 
 async def drain(broker: InMemoryBroker) -> None:
@@ -222,20 +240,9 @@ async def test_retry_middlewares_resend_the_same_task_id_from_inside_on_error(
     retry_class: type[TaskiqMiddleware],
 ) -> None:
     events: list[tuple[str, str, str]] = []
-    broker = InMemoryBroker().with_middlewares(
+    task = await run_a_task_that_fails_once(
         Recorder("A", events), _retry(retry_class), Recorder("B", events)
     )
-    calls = 0
-
-    @broker.task(retry_on_error=True, max_retries=3)
-    async def flaky() -> None:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            raise RuntimeError("first attempt fails")
-
-    task = await flaky.kiq()
-    await drain(broker)
     # The first attempt's run, from its first pre_execute to its last post_execute.
     start = hooks(events).index("A.pre_execute")
     first_run = hooks(events)[start : hooks(events).index("A.post_execute") + 1]
@@ -268,18 +275,7 @@ async def test_the_retry_is_sent_in_the_running_attempts_asyncio_task(
 ) -> None:
     events: list[tuple[str, str, str]] = []
     recorder = Recorder("A", events)
-    broker = InMemoryBroker().with_middlewares(_retry(retry_class), recorder)
-    calls = 0
-
-    @broker.task(retry_on_error=True, max_retries=3)
-    async def flaky() -> None:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            raise RuntimeError("first attempt fails")
-
-    await flaky.kiq()
-    await drain(broker)
+    await run_a_task_that_fails_once(_retry(retry_class), recorder)
     # pre_send #0 is the caller's kiq, #1 the retry sent from the worker's on_error.
     assert recorder.tasks["pre_send"][1] is recorder.tasks["pre_execute"][0], (
         f"{retry_class.__name__}'s re-send no longer runs in the asyncio task (and so the "
@@ -294,18 +290,7 @@ async def test_retry_middlewares_count_retries_on_the_running_messages_labels(
 ) -> None:
     events: list[tuple[str, str, str]] = []
     recorder = Recorder("A", events)
-    broker = InMemoryBroker().with_middlewares(_retry(retry_class), recorder)
-    calls = 0
-
-    @broker.task(retry_on_error=True, max_retries=3)
-    async def flaky() -> None:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            raise RuntimeError("first attempt fails")
-
-    await flaky.kiq()
-    await drain(broker)
+    await run_a_task_that_fails_once(_retry(retry_class), recorder)
     seen = recorder.labels_at_pre_execute[0]
     after = recorder.messages_at_post_execute[0].labels
     assert after is seen, (
@@ -384,18 +369,7 @@ async def test_a_run_whose_retry_was_sent_ends_with_no_result_error(
 ) -> None:
     events: list[tuple[str, str, str]] = []
     recorder = Recorder("A", events)
-    broker = InMemoryBroker().with_middlewares(_retry(retry_class), recorder)
-    calls = 0
-
-    @broker.task(retry_on_error=True, max_retries=3)
-    async def flaky() -> None:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            raise RuntimeError("first attempt fails")
-
-    await flaky.kiq()
-    await drain(broker)
+    await run_a_task_that_fails_once(_retry(retry_class), recorder)
     assert isinstance(recorder.results[0].error, NoResultError), (
         f"{retry_class.__name__} no longer replaces the failed run's error with "
         f"NoResultError once it sent the retry (got {recorder.results[0].error!r}). "
