@@ -18,7 +18,7 @@ import redis.asyncio
 from taskiq import InMemoryBroker, TaskiqMiddleware
 
 from taskiq_deduplication import RedisDeduplicationMiddleware
-from taskiq_deduplication.heartbeat import Beat
+from taskiq_deduplication._heartbeat import Beat
 from tests._server import Server
 
 

@@ -14,7 +14,7 @@ import pydantic
 from taskiq import InMemoryBroker
 
 from taskiq_deduplication import DuplicateTaskError
-from taskiq_deduplication.fingerprint import call_fingerprint
+from taskiq_deduplication._fingerprint import call_fingerprint
 from tests.conftest import BrokerFactory, MiddlewareFactory
 
 

@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from taskiq_deduplication.labels import (
-    LockLabels,
-    SendOptions,
-    read_lock_labels,
-    read_send_options,
-)
+from taskiq_deduplication._formats import RecordedLock, read_lock_labels
+from taskiq_deduplication._labels import Defaults, SendOptions, read_send_options
 
 
 def options(**labels: object) -> SendOptions | None:
-    return read_send_options(labels, default_enabled=True, default_ttl=300)
+    return read_send_options(labels, Defaults(enabled=True, ttl=300))
 
 
 def test_no_labels_gives_the_defaults() -> None:
     assert options() == SendOptions(ttl=300, key=None, key_fields=None)
-    assert read_send_options({}, default_enabled=False, default_ttl=300) is None
+    assert read_send_options({}, Defaults(enabled=False, ttl=300)) is None
 
 
 @pytest.mark.parametrize("value", [False, "False", "false", " FALSE ", "0", "no", "off"])
@@ -28,7 +24,7 @@ def test_off(value: object) -> None:
 
 @pytest.mark.parametrize("value", [True, "True", "true", "1", "yes", "on"])
 def test_on(value: object) -> None:
-    assert read_send_options({"deduplication": value}, default_enabled=False, default_ttl=5)
+    assert read_send_options({"deduplication": value}, Defaults(enabled=False, ttl=5))
 
 
 @pytest.mark.parametrize(("value", "ttl"), [(30, 30), ("30", 30), (" 7 ", 7), ("+9", 9)])
@@ -91,7 +87,7 @@ def test_lock_labels_are_read_back_tolerantly() -> None:
         "_deduplication_lock_owner": "abc task-1",
         "_deduplication_lock_ttl": "60",
     }
-    expected = LockLabels(key="p:k", token="abc", ttl=60)  # noqa: S106
+    expected = RecordedLock(key="p:k", token="abc", ttl=60)  # noqa: S106
     assert read_lock_labels(good, "task-1") == expected
     assert read_lock_labels({}, "task-1") is None
     # Labels copied onto another message name another owner.

@@ -6,7 +6,12 @@ on the broker; a ``kiq()`` whose task is already queued or running raises
 """
 
 from taskiq_deduplication.__about__ import __version__
-from taskiq_deduplication.exceptions import DuplicateTaskError
+from taskiq_deduplication.exceptions import DeduplicationError, DuplicateTaskError
 from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
 
-__all__ = ["DuplicateTaskError", "RedisDeduplicationMiddleware", "__version__"]
+__all__ = [
+    "DeduplicationError",
+    "DuplicateTaskError",
+    "RedisDeduplicationMiddleware",
+    "__version__",
+]

@@ -3,12 +3,14 @@
 Send (``pre_send``): fingerprint the call, take its lock for a short grace TTL,
 refuse the send with a ``DuplicateTaskError`` if another task holds it.
 Sent (``post_send``): the broker has the message; give the lock its full TTL.
-Run (``pre_execute``): re-assert the lock and let the heartbeat keep it alive.
-End (``on_error``, ``post_execute``): stop the heartbeat, release the lock.
+Run (``pre_execute``), end (``on_error``, ``post_execute``): do what the row of
+the lock's policy says (`_policies.py`): re-assert the lock and keep it alive,
+or release it, or leave it to its TTL.
 
-The mechanics live next door: `labels.py` reads the labels, `fingerprint.py`
-makes the key, `lock.py` and `pipeline.py` talk to Redis, and `heartbeat.py`
-refreshes locks.
+The mechanics live next door: `_labels.py` reads the labels and `_options.py`
+the options, `_fingerprint.py` and `_formats.py` make the key and the value,
+`_lock.py` and `_pipeline.py` talk to Redis, `_heartbeat.py` refreshes locks,
+`_execution.py` follows a run and `_loops.py` keeps a state per event loop.
 """
 
 from __future__ import annotations
@@ -17,38 +19,35 @@ import asyncio
 import contextvars
 import enum
 import logging
-import math
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-import pydantic
-import pydantic_core
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.connection import parse_url
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from taskiq import TaskiqMessage, TaskiqMiddleware, TaskiqResult
-from taskiq.exceptions import NoResultError
 
-from taskiq_deduplication import labels
-from taskiq_deduplication.exceptions import DuplicateTaskError
-from taskiq_deduplication.fingerprint import call_fingerprint, fields_fingerprint
-from taskiq_deduplication.heartbeat import Beat
-from taskiq_deduplication.labels import MAX_TTL
-from taskiq_deduplication.lock import (
-    REDIS_ERRORS,
-    Lock,
-    Reasserted,
+from taskiq_deduplication import _labels as labels
+from taskiq_deduplication import _options as options
+from taskiq_deduplication._client import client_from_url
+from taskiq_deduplication._execution import Execution, Executions, Resent
+from taskiq_deduplication._fingerprint import call_fingerprint, fields_fingerprint
+from taskiq_deduplication._formats import (
+    RecordedLock,
+    drop_lock_labels,
     holder_task_id,
+    lock_key,
     new_token,
+    read_lock_labels,
+    write_lock_labels,
 )
-from taskiq_deduplication.loops import LoopState, LoopStates
+from taskiq_deduplication._heartbeat import Beat
+from taskiq_deduplication._lock import REDIS_ERRORS, Lock, Reasserted
+from taskiq_deduplication._loops import LoopStates
+from taskiq_deduplication._policies import FINISHED, POLICIES, RetrySend, Step
+from taskiq_deduplication.exceptions import DuplicateTaskError, StartupError
 
 if TYPE_CHECKING:
     from pydantic import RedisDsn
+    from redis.asyncio import Redis
+    from redis.asyncio.cluster import RedisCluster
     from taskiq.abc.broker import AsyncBroker
 
     RedisClient = Redis | RedisCluster
@@ -59,48 +58,16 @@ logger = logging.getLogger(__name__)
 
 #: How long the lock of a send in flight lives before the broker accepts it.
 GRACE_TTL: Final = 10
-#: Bounds on every Redis call of a client built from ``redis_url`` (seconds);
-#: a URL query such as ``?socket_timeout=1`` overrides them.
-_DEFAULT_TIMEOUTS: Final = {"socket_timeout": 5.0, "socket_connect_timeout": 5.0, "timeout": 5.0}
-# taskiq's own labels, counted up on the running message by Context.requeue()
-# and by the retry middlewares when they send the next attempt.
-_REQUEUE_LABEL: Final = "X-Taskiq-requeue"
-_RETRIES_LABEL: Final = "_retries"
 
 
-class _Resent(enum.Enum):
-    """What became of a retry that a run sent of itself, through this middleware."""
-
-    WITH_THE_LOCK = enum.auto()
-    """The retry took the lock over: this run must not touch it any more."""
-    WITHOUT_A_LOCK = enum.auto()
-    """The retry went out without one (``fail_open``): this run releases its own."""
+class _FailedOpen(enum.Enum):
+    FAILED_OPEN = enum.auto()
 
 
-@dataclass(eq=False, slots=True)
-class _Execution:
-    """One run of a locked task in this process."""
+_VERBS: Final = {Step.REASSERT: "re-assert", Step.REMEMBER: "release", Step.RELEASE: "release"}
 
-    lock: Lock
-    """The lock as the send took it, with the TTL of a queued task."""
-    lease: Lock
-    """The same lock with the TTL it keeps while the task runs."""
-    task_name: str
-    state: LoopState
-    """The event loop's state the run began in: its heartbeat keeps the lease."""
-    requeues: object
-    """taskiq's requeue count when the run began."""
-    retries: object
-    """The retry middlewares' attempt count when the run began."""
-    beat: Beat | None = None
-    owned: bool = True
-    ended: bool = False
-    resent: _Resent | None = None
-    task: asyncio.Task[Any] | None = field(default=None, repr=False)
-    """The asyncio task the run began in."""
-    context: Any = field(default=None, repr=False)
-    """The token that restores the execution context variable."""
-    on_task_done: Any = field(default=None, repr=False)
+#: What an acquire gives when Redis failed and ``fail_open`` lets the send go.
+_FAILED_OPEN: Final = _FailedOpen.FAILED_OPEN
 
 
 class RedisDeduplicationMiddleware(TaskiqMiddleware):
@@ -108,9 +75,10 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
 
     Every ``kiq()`` takes a Redis lock keyed on the task's fingerprint (its name
     and arguments, or an explicit key); an identical ``kiq()`` while the lock is
-    held raises [DuplicateTaskError][taskiq_deduplication.DuplicateTaskError]. A heartbeat
-    keeps the lock alive while the task runs, and the lock is released when the
-    task ends.
+    held raises [DuplicateTaskError][taskiq_deduplication.DuplicateTaskError]. How
+    long the lock is held is the task's policy: by default until the task
+    finishes (a heartbeat keeps the lock alive while it runs), or until it
+    starts, or until the TTL expires, whatever happens to the run.
 
     Example:
         ```python
@@ -133,6 +101,8 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         heartbeat_interval: float | None = None,
         fail_open: bool = False,
         running_ttl: int | None = None,
+        default_until: str = "finished",
+        default_success_ttl: int = 0,
         client: Redis | RedisCluster | None = None,
     ) -> None:
         """Configure the middleware; nothing connects until the broker starts.
@@ -160,6 +130,15 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 queued task keeps its full TTL. ``None`` (the default) keeps the
                 full TTL throughout. The ``deduplication_running_ttl`` label
                 sets it per task; it needs the heartbeat.
+            default_until: How long a call counts as a duplicate, unless the
+                ``deduplication_until`` label says: ``"finished"`` (while its
+                task is queued or running), ``"started"`` (while it is queued)
+                or ``"expired"`` (for the TTL from the send, however the run
+                ends).
+            default_success_ttl: Seconds a lock of the ``"finished"`` policy
+                stays after a successful run, still naming that task as holder,
+                unless the ``deduplication_success_ttl`` label says; 0 releases
+                it at once.
             client: A ready ``redis.asyncio`` client (``Redis`` or ``RedisCluster``)
                 to use instead of ``redis_url``. The middleware does not close it.
 
@@ -167,22 +146,39 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             ValueError: An option is missing, of the wrong type or out of range.
         """
         super().__init__()
-        self._url = _check_connection(redis_url, client)
+        self._url = options.check_connection(redis_url, client)
         self._client = client
-        self.default_deduplication = _check_bool("default_deduplication", default_deduplication)
-        self.default_ttl = _check_int("default_ttl", default_ttl, minimum=1, maximum=MAX_TTL)
-        self.key_prefix = _check_prefix(key_prefix)
-        self.startup_retries = _check_int("startup_retries", startup_retries, minimum=1)
-        self.startup_retry_delay = _check_seconds("startup_retry_delay", startup_retry_delay)
-        self.heartbeat = _check_bool("heartbeat", heartbeat)
-        self.heartbeat_interval = _check_interval(heartbeat_interval, self.default_ttl)
-        self.fail_open = _check_bool("fail_open", fail_open)
-        self.running_ttl = _check_running_ttl(running_ttl, self.heartbeat, self.heartbeat_interval)
+        self.default_deduplication = options.check_bool(
+            "default_deduplication", default_deduplication
+        )
+        self.default_ttl = options.check_int(
+            "default_ttl", default_ttl, minimum=1, maximum=labels.MAX_TTL
+        )
+        self.key_prefix = options.check_prefix(key_prefix)
+        self.startup_retries = options.check_int("startup_retries", startup_retries, minimum=1)
+        self.startup_retry_delay = options.check_seconds("startup_retry_delay", startup_retry_delay)
+        self.heartbeat = options.check_bool("heartbeat", heartbeat)
+        self.heartbeat_interval = options.check_interval(heartbeat_interval, self.default_ttl)
+        self.fail_open = options.check_bool("fail_open", fail_open)
+        self.running_ttl = options.check_running_ttl(
+            running_ttl, self.heartbeat, self.heartbeat_interval
+        )
+        policy = options.check_until(default_until)
+        self.default_until = policy.name
+        self.default_success_ttl = options.check_success_ttl(default_success_ttl)
+        self._defaults = labels.Defaults(
+            enabled=self.default_deduplication,
+            ttl=self.default_ttl,
+            policy=policy,
+            success_ttl=self.default_success_ttl,
+            heartbeat=self.heartbeat,
+        )
         self._states = LoopStates(self._new_client)
-        # The run of a locked task in the current asyncio task: its hooks, and a
-        # retry that re-sends it from inside the run, find it here.
-        self._execution: contextvars.ContextVar[_Execution | None] = contextvars.ContextVar(
-            f"taskiq_deduplication_execution_{id(self):x}", default=None
+        self._executions = Executions(f"taskiq_deduplication_execution_{id(self):x}")
+        # The lock value of a retry's send that keeps its lock as it is: the
+        # post_send of that very kiq (same context) must not extend it.
+        self._kept: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+            f"taskiq_deduplication_kept_{id(self):x}", default=None
         )
 
     # Startup and shutdown
@@ -207,12 +203,21 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         super().set_broker(broker)
 
     async def startup(self) -> None:
-        """Connect to Redis, retrying with exponential backoff.
+        """Check every registered task's labels, then connect to Redis with retries.
 
         Raises:
+            ValueError: A registered task has a bad or unknown deduplication
+                label; the message lists each one, task by task, and nothing
+                connects.
             ConnectionError: Redis did not answer a ``PING`` in any attempt;
                 the last error is chained.
         """
+        broker = getattr(self, "broker", None)
+        if broker is not None:
+            tasks = broker.get_all_tasks()
+            labels.check_task_labels(
+                ((name, task.labels) for name, task in tasks.items()), self._defaults
+            )
         state = await self._states.current()
         for attempt in range(self.startup_retries):
             try:
@@ -237,7 +242,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             f"could not connect to Redis for deduplication after "
             f"{self.startup_retries} attempt(s): {last_error}"
         )
-        raise ConnectionError(msg) from last_error
+        raise StartupError(msg) from last_error
 
     async def shutdown(self) -> None:
         """Send what is still queued (lock extensions), stop the heartbeat, disconnect.
@@ -252,6 +257,10 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
     async def pre_send(self, message: TaskiqMessage) -> TaskiqMessage:
         """Take the task's lock before the message goes to the broker.
 
+        A retry of a run (from inside it, or later from a schedule source with
+        the run's lock labels) is never its own duplicate: it carries the lock
+        on as its policy says.
+
         Raises:
             DuplicateTaskError: Another send holds the lock.
             ValueError: A deduplication label has an invalid value.
@@ -260,54 +269,36 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 cluster client that reaches no node raises
                 ``redis.exceptions.RedisClusterException`` instead).
         """
-        options = labels.read_send_options(
-            message.labels,
-            default_enabled=self.default_deduplication,
-            default_ttl=self.default_ttl,
-            heartbeat=self.heartbeat,
-        )
-        if options is None:
-            labels.drop_lock_labels(message.labels)
+        send = labels.read_send_options(message.labels, self._defaults)
+        if send is None:
+            drop_lock_labels(message.labels)
             return message
-        running = self._current_run(message.task_id)
-        # A retry re-sends an earlier attempt: from inside its run, or later (from a
-        # schedule source) with the attempt's lock labels copied onto the message.
+        running = self._executions.current(message.task_id)
         earlier = running.lock if running is not None else self._lock_of(message)
-        key = earlier.key if earlier is not None else self._lock_key(message, options)
-        lock = Lock(key, new_token(), message.task_id, options.ttl * 1000)
-        grace_ms = min(GRACE_TTL, options.ttl) * 1000
-        state = self._states.get() or await self._states.current()
-        try:
-            holder = await state.locks.acquire(
-                lock, grace_ms, replaces=earlier.value if earlier is not None else ""
-            )
-        except REDIS_ERRORS as exc:
-            if isinstance(exc, (RedisTimeoutError, asyncio.TimeoutError)):
-                # The acquire was written and may still run when Redis wakes up:
-                # undo it, so a send that failed leaves no lock behind.
-                state.locks.release_detached(lock)
-            if not self.fail_open:
-                raise
-            logger.warning(
-                "Could not take deduplication lock %r for task %s (%s): %s: %s; "
-                "sending it without a lock (fail_open)",
-                key,
-                message.task_name,
-                message.task_id,
-                type(exc).__name__,
-                exc,
-            )
+        policy = send.policy
+        if earlier is not None and policy.retry is RetrySend.KEEP:
+            self._kept.set(earlier.value)
             if running is not None:
-                # The retry holds no lock, so nobody else will release this one.
-                running.resent = _Resent.WITHOUT_A_LOCK
-            labels.drop_lock_labels(message.labels)
+                running.resent = Resent.WITH_THE_LOCK
+            self._record(message, earlier.key, earlier.token, send)
             return message
-        except asyncio.CancelledError:
-            # The acquire may still land after the caller gave up: undo it.
-            state.locks.release_detached(lock)
-            raise
+        key = earlier.key if earlier is not None else self._lock_key(message, send)
+        lock = Lock(key, new_token(), message.task_id, send.ttl * 1000)
+        holder = await self._acquire(lock, min(GRACE_TTL, send.ttl) * 1000, earlier, message)
+        if holder is _FAILED_OPEN:
+            return self._without_lock(message, running)
         if holder is not None:
             holder_id = holder_task_id(holder)
+            if earlier is not None and policy.retry is RetrySend.TAKE_IF_FREE:
+                logger.info(
+                    "Retry of task %s (%s) sent without a lock: task %s, queued "
+                    "meanwhile, holds lock %r",
+                    message.task_name,
+                    message.task_id,
+                    holder_id,
+                    key,
+                )
+                return self._without_lock(message, running)
             logger.warning(
                 "Task %s (%s) not sent: a duplicate of task %s, which holds lock %r",
                 message.task_name,
@@ -321,9 +312,9 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 "Retry of task %s (%s) took over lock %r", message.task_name, message.task_id, key
             )
         if running is not None:
-            running.resent = _Resent.WITH_THE_LOCK
-            self._stop_heartbeat(running)
-        labels.write_lock_labels(message.labels, key, lock.value, options.ttl)
+            running.resent = Resent.WITH_THE_LOCK
+            running.stop_heartbeat()
+        self._record(message, key, lock.token, send)
         return message
 
     async def post_send(self, message: TaskiqMessage) -> None:
@@ -334,56 +325,45 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         so it cannot revive a lock that a fast worker already released.
         """
         lock = self._lock_of(message)
-        if lock is not None and lock.ttl_ms > GRACE_TTL * 1000:
-            state = self._states.get() or await self._states.current()
-            await state.locks.extend_detached(lock)
+        if lock is None or lock.ttl_ms <= GRACE_TTL * 1000:
+            return
+        if self._kept.get() == lock.value:  # a retry that left its lock as it was
+            self._kept.set(None)
+            return
+        state = self._states.get() or await self._states.current()
+        await state.locks.extend_detached(lock)
 
     # Run
 
     async def pre_execute(self, message: TaskiqMessage) -> TaskiqMessage:
-        """Re-assert the lock at the start of the run and start its heartbeat."""
-        lock = self._lock_of(message)
-        if lock is None:
+        """Begin the run of a locked task: do what its policy says at the start.
+
+        ``"finished"`` re-asserts the lock and lets the heartbeat keep it alive,
+        ``"started"`` releases it, ``"expired"`` leaves it to its TTL.
+        """
+        recorded = read_lock_labels(message.labels, message.task_id)
+        if recorded is None:
             return message
+        # A policy this version does not know (a newer sender) holds the lock
+        # the longest way: until the task finishes.
+        policy = POLICIES.get(recorded.until, FINISHED)
+        lock = Lock(recorded.key, recorded.token, message.task_id, recorded.ttl * 1000)
         state = self._states.get() or await self._states.current()
-        execution = _Execution(
+        execution = Execution(
             lock,
-            self._lease(message, lock),
+            self._lease(message, lock) if policy.heartbeat else lock,
+            policy,
+            recorded.success_ttl if policy.remembers_success else 0,
             message.task_name,
             state,
-            message.labels.get(_REQUEUE_LABEL),
-            message.labels.get(_RETRIES_LABEL),
+            *Executions.counts(message),
         )
-        self._begin(execution)
-        try:
-            (reply,) = await state.locks.reassert([execution.lease])
-        except REDIS_ERRORS as exc:
-            logger.warning(
-                "Could not re-assert lock %r of task %s (%s): %s: %s",
-                lock.key,
-                message.task_name,
-                message.task_id,
-                type(exc).__name__,
-                exc,
-            )
+        self._executions.begin(execution)
+        if policy.at_start is Step.REASSERT:
+            await self._reassert(execution, message)
         else:
-            if reply == Reasserted.TAKEN_BACK:
-                logger.warning(
-                    "Lock %r of task %s (%s) had expired while the task was queued; taken back",
-                    lock.key,
-                    message.task_name,
-                    message.task_id,
-                )
-            elif isinstance(reply, str):
-                logger.warning(
-                    "Task %s (%s) runs although task %s now holds its lock %r",
-                    message.task_name,
-                    message.task_id,
-                    holder_task_id(reply),
-                    lock.key,
-                )
-                execution.owned = False
-        if self.heartbeat and execution.owned:
+            await self._apply(policy.at_start, execution, message)
+        if policy.heartbeat and self.heartbeat and execution.owned:
             execution.beat = Beat(execution.lease, message.task_name, self._interval(execution))
             state.heartbeat.add(execution.beat)
         return message
@@ -395,46 +375,57 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         exception: BaseException,  # noqa: ARG002
     ) -> None:
         """Stop the heartbeat: the task itself is over. The lock goes in ``post_execute``."""
-        execution = self._current_run(message.task_id)
+        execution = self._executions.current(message.task_id)
         if execution is not None:
-            self._stop_heartbeat(execution)
+            execution.stop_heartbeat()
 
     async def post_execute(self, message: TaskiqMessage, result: TaskiqResult[Any]) -> None:
-        """Release the lock once the run has ended, successful or not.
+        """End the run: do what its policy says on success, on failure, or when passed on.
 
         A run whose lock a retry took over leaves it to the retry. A run that
-        passed itself on to a later delivery keeps its lock for it, at full TTL:
-        one that requeued itself (``Context.requeue``), or whose retry was left
-        to a schedule source (the retry middleware counted the attempt and
-        dropped this run's result, but no send passed through here).
+        passed itself on to a later delivery without a send through this
+        middleware (``Context.requeue``, a retry left to a schedule source)
+        keeps its lock for it as the policy says. Otherwise a success and a
+        failure each get the step of their own: ``"finished"`` releases the
+        lock (or keeps it for the success TTL after a success).
         """
-        execution = self._current_run(message.task_id)
+        execution = self._executions.current(message.task_id)
         if execution is None:
             return
-        self._end(execution)
-        if execution.resent is _Resent.WITH_THE_LOCK or not execution.owned:
+        self._executions.end(execution)
+        if execution.resent is Resent.WITH_THE_LOCK or not execution.owned:
             return
+        policy = execution.policy
+        if execution.passed_on(message, result):
+            step = policy.passed_on
+        elif execution.resent is None and not result.is_err:
+            step = policy.on_success
+        else:
+            step = policy.on_failure
+        await self._apply(step, execution, message)
+
+    # The mechanics
+
+    async def _apply(self, step: Step, execution: Execution, message: TaskiqMessage) -> None:
+        """Do ``step`` to the run's lock in Redis; errors are logged, never raised."""
         lock = execution.lock
         locks = execution.state.locks
-        # Both count up before they send, and the run ends with NoResultError
-        # only once the send went through. A retry sent through this middleware
-        # without a lock passed nothing on.
-        passed_on = (
-            execution.resent is None
-            and isinstance(result.error, NoResultError)
-            and (
-                message.labels.get(_REQUEUE_LABEL) != execution.requeues
-                or message.labels.get(_RETRIES_LABEL) != execution.retries
-            )
-        )
-        if passed_on:
+        if step is Step.NOTHING:
+            return
+        if step is Step.EXTEND:
             await locks.extend_detached(lock)
             return
         try:
-            await locks.release(lock)
+            if step is Step.REASSERT:
+                await locks.reassert([lock])
+            elif step is Step.REMEMBER and execution.success_ttl:
+                await locks.extend(lock, execution.success_ttl * 1000)
+            else:
+                await locks.release(lock)
         except REDIS_ERRORS as exc:
             logger.warning(
-                "Could not release lock %r of task %s (%s): %s: %s; it expires in %ds",
+                "Could not %s lock %r of task %s (%s): %s: %s; it expires in %ds",
+                "keep" if step is Step.REMEMBER and execution.success_ttl else _VERBS[step],
                 lock.key,
                 message.task_name,
                 message.task_id,
@@ -443,26 +434,100 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 execution.lease.ttl_ms // 1000,
             )
 
-    # The mechanics
+    async def _acquire(
+        self, lock: Lock, grace_ms: int, earlier: Lock | None, message: TaskiqMessage
+    ) -> str | _FailedOpen | None:
+        """Take ``lock`` for the grace TTL: ``None`` once taken, else the holder's value.
 
-    def _lock_key(self, message: TaskiqMessage, options: labels.SendOptions) -> str:
-        if options.key is not None:
-            return f"{self.key_prefix}:{options.key}"
-        if options.key_fields is None:
+        A Redis error raises, or with ``fail_open`` is logged and gives
+        ``_FAILED_OPEN``. An acquire that may still land in Redis after the
+        call gave up (a timeout, a cancelled caller) is undone.
+        """
+        state = self._states.get() or await self._states.current()
+        try:
+            return await state.locks.acquire(
+                lock, grace_ms, replaces=earlier.value if earlier is not None else ""
+            )
+        except REDIS_ERRORS as exc:
+            if isinstance(exc, (RedisTimeoutError, asyncio.TimeoutError)):
+                state.locks.release_detached(lock)
+            if not self.fail_open:
+                raise
+            logger.warning(
+                "Could not take deduplication lock %r for task %s (%s): %s: %s; "
+                "sending it without a lock (fail_open)",
+                lock.key,
+                message.task_name,
+                message.task_id,
+                type(exc).__name__,
+                exc,
+            )
+            return _FAILED_OPEN
+        except asyncio.CancelledError:
+            state.locks.release_detached(lock)
+            raise
+
+    async def _reassert(self, execution: Execution, message: TaskiqMessage) -> None:
+        """Re-assert the lock of a run that begins, on its lease; say what was found."""
+        lock = execution.lock
+        try:
+            (reply,) = await execution.state.locks.reassert([execution.lease])
+        except REDIS_ERRORS as exc:
+            logger.warning(
+                "Could not re-assert lock %r of task %s (%s): %s: %s",
+                lock.key,
+                message.task_name,
+                message.task_id,
+                type(exc).__name__,
+                exc,
+            )
+            return
+        if reply == Reasserted.TAKEN_BACK:
+            logger.warning(
+                "Lock %r of task %s (%s) had expired while the task was queued; taken back",
+                lock.key,
+                message.task_name,
+                message.task_id,
+            )
+        elif isinstance(reply, str):
+            logger.warning(
+                "Task %s (%s) runs although task %s now holds its lock %r",
+                message.task_name,
+                message.task_id,
+                holder_task_id(reply),
+                lock.key,
+            )
+            execution.owned = False
+
+    def _without_lock(self, message: TaskiqMessage, running: Execution | None) -> TaskiqMessage:
+        """Let ``message`` go out without a lock (fail-open, or a retry that found none)."""
+        if running is not None:
+            # The retry holds no lock, so the run ends its own as a failure does.
+            running.resent = Resent.WITHOUT_A_LOCK
+        drop_lock_labels(message.labels)
+        return message
+
+    @staticmethod
+    def _record(message: TaskiqMessage, key: str, token: str, send: labels.SendOptions) -> None:
+        recorded = RecordedLock(key, token, send.ttl, send.policy.name, send.success_ttl)
+        write_lock_labels(message.labels, recorded, message.task_id)
+
+    def _lock_key(self, message: TaskiqMessage, send: labels.SendOptions) -> str:
+        if send.key is not None:
+            return lock_key(self.key_prefix, send.key)
+        if send.key_fields is None:
             digest = call_fingerprint(message.task_name, message.args, message.kwargs)
-            return f"{self.key_prefix}:{digest}"
+            return lock_key(self.key_prefix, digest)
         if message.args:
             logger.warning(
                 "Task %s is called with positional arguments, which %s leaves out of "
                 "its lock key: pass %s as keyword arguments",
                 message.task_name,
                 labels.KEY_FIELDS_LABEL,
-                ", ".join(options.key_fields),
+                ", ".join(send.key_fields),
             )
-        present = {
-            name: message.kwargs[name] for name in options.key_fields if name in message.kwargs
-        }
-        for name in options.key_fields:
+        present = {name: message.kwargs[name] for name in send.key_fields if name in message.kwargs}
+        for name in send.key_fields:
             if name not in present:
                 logger.warning(
                     "Key field %r of task %s is missing from its keyword arguments; "
@@ -470,27 +535,11 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                     name,
                     message.task_name,
                 )
-        return f"{self.key_prefix}:{fields_fingerprint(message.task_name, present)}"
+        return lock_key(self.key_prefix, fields_fingerprint(message.task_name, present))
 
-    def _current_run(self, task_id: str) -> _Execution | None:
-        """The run of ``task_id`` that this asyncio task is in, if any.
-
-        The hooks of a run, and a retry it sends of itself, find it here. A task
-        started from inside a run (an in-memory broker delivering a retry) gets
-        a copy of the context, and with it a run that is not its own.
-        """
-        execution = self._execution.get()
-        if (
-            execution is not None
-            and execution.lock.task_id == task_id
-            and not execution.ended
-            and execution.task is asyncio.current_task()
-        ):
-            return execution
-        return None
-
-    def _lock_of(self, message: TaskiqMessage) -> Lock | None:
-        recorded = labels.read_lock_labels(message.labels, message.task_id)
+    @staticmethod
+    def _lock_of(message: TaskiqMessage) -> Lock | None:
+        recorded = read_lock_labels(message.labels, message.task_id)
         if recorded is None:
             return None
         return Lock(recorded.key, recorded.token, message.task_id, recorded.ttl * 1000)
@@ -502,35 +551,11 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             return lock
         return Lock(lock.key, lock.token, lock.task_id, seconds * 1000)
 
-    def _interval(self, execution: _Execution) -> float:
+    def _interval(self, execution: Execution) -> float:
         ttl = execution.lease.ttl_ms / 1000
         interval = self.heartbeat_interval or max(ttl / 3, 1.0)
         # A refresh less often than half the TTL would let the lock lapse.
         return min(interval, ttl / 2)
-
-    def _begin(self, execution: _Execution) -> None:
-        execution.context = self._execution.set(execution)
-        # If a later hook of another middleware raises, post_execute never runs;
-        # the end of the asyncio task still ends the heartbeat.
-        execution.on_task_done = lambda _: self._stop_heartbeat(execution)
-        execution.task = _current_task()
-        execution.task.add_done_callback(execution.on_task_done)
-
-    def _end(self, execution: _Execution) -> None:
-        execution.ended = True
-        self._stop_heartbeat(execution)
-        if execution.task is not None:
-            execution.task.remove_done_callback(execution.on_task_done)
-        try:
-            self._execution.reset(execution.context)
-        except ValueError:  # ended in another context than it began in
-            self._execution.set(None)
-
-    @staticmethod
-    def _stop_heartbeat(execution: _Execution) -> None:
-        if execution.beat is not None:
-            execution.state.heartbeat.discard(execution.beat)
-        execution.beat = None
 
     def _new_client(self) -> tuple[RedisClient, bool]:
         """The client for a new event loop's state, and whether it is the middleware's own.
@@ -541,113 +566,4 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         if self._client is not None:
             return self._client, False
         assert self._url is not None  # noqa: S101 (checked in __init__)
-        pool = BlockingConnectionPool.from_url(
-            self._url,
-            **_DEFAULT_TIMEOUTS,
-            # One quick retry reconnects after a dropped connection; a hung
-            # server is not retried, so a call never outlasts socket_timeout.
-            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-        )
-        return Redis.from_pool(pool), True
-
-
-def _current_task() -> asyncio.Task[Any]:
-    task = asyncio.current_task()
-    if task is None:  # pragma: no cover (taskiq runs every hook inside a task)
-        msg = "taskiq hooks run inside an asyncio task"
-        raise RuntimeError(msg)
-    return task
-
-
-# Checking the options
-
-
-# A RedisDsn, as every pydantic 2 spells it: from 2.10 on a subclass of AnyUrl;
-# before, an Annotated alias of pydantic_core.Url, which isinstance() refuses.
-_PYDANTIC_URLS: Final = (pydantic.AnyUrl, pydantic_core.Url, pydantic_core.MultiHostUrl)
-
-
-def _check_connection(redis_url: str | RedisDsn | None, client: object) -> str | None:
-    if (redis_url is None) == (client is None):
-        msg = "pass exactly one of redis_url and client"
-        raise ValueError(msg)
-    if client is not None:
-        if not isinstance(client, (Redis, RedisCluster)):
-            msg = (
-                f"client must be a redis.asyncio Redis or RedisCluster client, "
-                f"not {type(client).__name__}"
-            )
-            raise ValueError(msg)
-        return None
-    url = str(redis_url) if isinstance(redis_url, _PYDANTIC_URLS) else redis_url
-    if not isinstance(url, str) or not url:
-        msg = f"redis_url must be a non-empty string or RedisDsn, not {redis_url!r}"
-        raise ValueError(msg)
-    try:
-        parse_url(url)
-    except ValueError as exc:
-        msg = f"redis_url {url!r} is not a Redis URL: {exc}"
-        raise ValueError(msg) from None
-    return url
-
-
-def _check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        msg = f"{name} must be True or False, not {value!r}"
-        raise ValueError(msg)
-    return value
-
-
-def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        msg = f"{name} must be a whole number of at least {minimum}, not {value!r}"
-        raise ValueError(msg)
-    if maximum is not None and value > maximum:
-        msg = f"{name} must be at most {maximum}, not {value!r}"
-        raise ValueError(msg)
-    return value
-
-
-def _check_seconds(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-        msg = f"{name} must be a finite number of seconds of at least 0, not {value!r}"
-        raise ValueError(msg)
-    return float(value)
-
-
-def _check_prefix(value: object) -> str:
-    if not isinstance(value, str) or not value:
-        msg = f"key_prefix must be a non-empty string, not {value!r}"
-        raise ValueError(msg)
-    return value
-
-
-def _check_running_ttl(value: object, heartbeat: bool, interval: float | None) -> int | None:  # noqa: FBT001 (checked options, passed on)
-    if value is None:
-        return None
-    seconds = _check_int("running_ttl", value, minimum=1, maximum=MAX_TTL)
-    if not heartbeat:
-        msg = "running_ttl needs the heartbeat: a lease nobody refreshes lapses mid-run"
-        raise ValueError(msg)
-    if interval is not None and interval >= seconds:
-        msg = (
-            f"heartbeat_interval ({interval}s) must be shorter than running_ttl "
-            f"({seconds}s), or the lease expires between refreshes"
-        )
-        raise ValueError(msg)
-    return seconds
-
-
-def _check_interval(value: object, default_ttl: int) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        msg = f"heartbeat_interval must be a positive number of seconds or None, not {value!r}"
-        raise ValueError(msg)
-    if value >= default_ttl:
-        msg = (
-            f"heartbeat_interval ({value}s) must be shorter than default_ttl "
-            f"({default_ttl}s), or the lock expires between refreshes"
-        )
-        raise ValueError(msg)
-    return float(value)
+        return client_from_url(self._url), True

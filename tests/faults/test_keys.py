@@ -11,7 +11,7 @@ import re
 import pytest
 
 from taskiq_deduplication import DuplicateTaskError
-from taskiq_deduplication.fingerprint import call_fingerprint
+from taskiq_deduplication._fingerprint import call_fingerprint
 from tests._server import Server
 from tests.faults._harness import admin
 from tests.faults.conftest import BrokerMaker

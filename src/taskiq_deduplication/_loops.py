@@ -21,8 +21,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from taskiq_deduplication.heartbeat import Heartbeat
-from taskiq_deduplication.lock import LockStore
+from taskiq_deduplication._heartbeat import Heartbeat
+from taskiq_deduplication._lock import LockStore
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Callable
@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
     RedisClient = Redis | RedisCluster
 
-logger = logging.getLogger(__name__)
+# Named for what it logs, not for the private module it lives in.
+logger = logging.getLogger("taskiq_deduplication.middleware")
 
 
 @dataclass(eq=False)

@@ -11,32 +11,56 @@ values come back on every ``kiq``.
 from __future__ import annotations
 
 import ast
+import difflib
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
+
+from taskiq_deduplication._policies import FINISHED, POLICIES, Policy
+from taskiq_deduplication.exceptions import InvalidSettingError
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Iterable, Mapping
 
-ENABLED_LABEL = "deduplication"
-TTL_LABEL = "deduplication_ttl"
-KEY_LABEL = "deduplication_key"
-KEY_FIELDS_LABEL = "deduplication_key_fields"
-RUNNING_TTL_LABEL = "deduplication_running_ttl"
-
-# Added by the sender to each message it locked; read back by the worker.
-# They travel raw (as strings), like taskiq's own "_retries".
-LOCK_KEY_LABEL = "_deduplication_lock_key"
-LOCK_OWNER_LABEL = "_deduplication_lock_owner"
-LOCK_TTL_LABEL = "_deduplication_lock_ttl"
-LOCK_LABELS = (LOCK_KEY_LABEL, LOCK_OWNER_LABEL, LOCK_TTL_LABEL)
+ENABLED_LABEL: Final = "deduplication"
+TTL_LABEL: Final = "deduplication_ttl"
+KEY_LABEL: Final = "deduplication_key"
+KEY_FIELDS_LABEL: Final = "deduplication_key_fields"
+RUNNING_TTL_LABEL: Final = "deduplication_running_ttl"
+UNTIL_LABEL: Final = "deduplication_until"
+SUCCESS_TTL_LABEL: Final = "deduplication_success_ttl"
+#: Every label a user may set; a task label that starts like them but is none
+#: of them is a typo, reported when the broker starts.
+USER_LABELS: Final = (
+    ENABLED_LABEL,
+    TTL_LABEL,
+    KEY_LABEL,
+    KEY_FIELDS_LABEL,
+    RUNNING_TTL_LABEL,
+    UNTIL_LABEL,
+    SUCCESS_TTL_LABEL,
+)
+_USER_LABEL_PREFIX: Final = "deduplication"
 
 #: The longest lock TTL, in seconds (ten years): far beyond any task, and well
 #: inside what Redis can store as an expiry in milliseconds.
-MAX_TTL = 10 * 365 * 24 * 3600
+MAX_TTL: Final = 10 * 365 * 24 * 3600
 
 _TRUE = frozenset({"true", "1", "yes", "on"})
 _FALSE = frozenset({"false", "0", "no", "off"})
+
+
+@dataclass(frozen=True, slots=True)
+class Defaults:
+    """What a send gets when its labels say nothing: the middleware's options."""
+
+    enabled: bool
+    ttl: int
+    policy: Policy = FINISHED
+    success_ttl: int = 0
+    """Seconds a lock stays after success, for the policies that remember it."""
+    heartbeat: bool = True
+    """Whether the heartbeat is on; a running lease needs it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,44 +75,94 @@ class SendOptions:
     """Keyword arguments that make up the fingerprint, or ``None`` for all of them."""
     running_ttl: int | None = None
     """The running lease in seconds, if the label sets one (read again by the worker)."""
+    policy: Policy = FINISHED
+    success_ttl: int = 0
+    """Seconds the lock stays after a successful run (0 for the policies without it)."""
 
 
-def read_send_options(
-    labels: Mapping[str, Any], *, default_enabled: bool, default_ttl: int, heartbeat: bool = True
-) -> SendOptions | None:
+def read_send_options(labels: Mapping[str, Any], defaults: Defaults) -> SendOptions | None:
     """Read the deduplication labels of a message about to be sent.
 
     Args:
         labels: The message's labels.
-        default_enabled: Whether deduplication is on when the label is absent.
-        default_ttl: Lock TTL in seconds when the label is absent.
-        heartbeat: Whether the heartbeat is on; a running lease needs it.
+        defaults: What the middleware's options say when a label is absent.
 
     Returns:
         The options, or ``None`` when deduplication is off for this send.
 
     Raises:
-        ValueError: A label has a value that is not valid; the message names
-            the label and the value.
+        ValueError: A label has a value that is not valid, alone or with the
+            others; the message names the label and the value.
     """
     enabled = labels.get(ENABLED_LABEL)
-    if not (default_enabled if enabled is None else _parse(_parse_bool, ENABLED_LABEL, enabled)):
+    if not (defaults.enabled if enabled is None else _parse(_parse_bool, ENABLED_LABEL, enabled)):
         return None
     ttl = labels.get(TTL_LABEL)
     key = labels.get(KEY_LABEL)
     fields = labels.get(KEY_FIELDS_LABEL)
     running_ttl = labels.get(RUNNING_TTL_LABEL)
-    if running_ttl is not None and not heartbeat:
-        msg = f"label {RUNNING_TTL_LABEL!r} needs the heartbeat (heartbeat=True)"
-        raise ValueError(msg)
+    until = labels.get(UNTIL_LABEL)
+    success_ttl = labels.get(SUCCESS_TTL_LABEL)
+    policy = defaults.policy if until is None else _parse(_parse_until, UNTIL_LABEL, until)
+    if running_ttl is not None and not (defaults.heartbeat and policy.heartbeat):
+        reason = (
+            "the heartbeat (heartbeat=True)"
+            if policy.heartbeat
+            else f"a policy with a heartbeat, not {UNTIL_LABEL}={policy.name!r}"
+        )
+        msg = f"label {RUNNING_TTL_LABEL!r} needs {reason}"
+        raise InvalidSettingError(msg)
+    if success_ttl is None:
+        remembered = defaults.success_ttl if policy.remembers_success else 0
+    else:
+        remembered = _parse(_parse_success_ttl, SUCCESS_TTL_LABEL, success_ttl)
+        if remembered and not policy.remembers_success:
+            msg = (
+                f"label {SUCCESS_TTL_LABEL!r} ({remembered}s) needs "
+                f"{UNTIL_LABEL}='finished', not {policy.name!r}: only a lock held until "
+                "its task finished can be kept after a success"
+            )
+            raise InvalidSettingError(msg)
     return SendOptions(
-        ttl=default_ttl if ttl is None else _parse(_parse_ttl, TTL_LABEL, ttl),
+        ttl=defaults.ttl if ttl is None else _parse(_parse_ttl, TTL_LABEL, ttl),
         key=None if key is None else _parse(_parse_key, KEY_LABEL, key),
         key_fields=None if fields is None else _parse(_parse_key_fields, KEY_FIELDS_LABEL, fields),
         running_ttl=(
             None if running_ttl is None else _parse(_parse_ttl, RUNNING_TTL_LABEL, running_ttl)
         ),
+        policy=policy,
+        success_ttl=remembered,
     )
+
+
+def check_task_labels(tasks: Iterable[tuple[str, Mapping[str, Any]]], defaults: Defaults) -> None:
+    """Check the labels of registered tasks as their sends will, all at once.
+
+    Args:
+        tasks: Each task's name and the labels it was declared with.
+        defaults: The middleware's options.
+
+    Raises:
+        ValueError: One or more tasks have a bad or unknown deduplication
+            label; the message lists each, task by task.
+    """
+    problems: list[str] = []
+    for name, task_labels in tasks:
+        found: list[str] = []
+        for label in task_labels:
+            if label.startswith(_USER_LABEL_PREFIX) and label not in USER_LABELS:
+                close = difflib.get_close_matches(label, USER_LABELS, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                found.append(f"unknown label {label!r}{hint}")
+        try:
+            read_send_options(task_labels, defaults)
+        except ValueError as exc:
+            found.append(str(exc))
+        problems += (f"  {name}: {problem}" for problem in found)
+    if problems:
+        count = len(problems)
+        msg = f"{count} bad deduplication label{'s' if count > 1 else ''}:\n" + "\n".join(problems)
+        raise InvalidSettingError(msg)
 
 
 def read_running_ttl(labels: Mapping[str, Any], *, default: int | None) -> int | None:
@@ -106,57 +180,6 @@ def read_running_ttl(labels: Mapping[str, Any], *, default: int | None) -> int |
         return default
 
 
-@dataclass(frozen=True, slots=True)
-class LockLabels:
-    """The lock a sender took for a message, as the worker reads it back."""
-
-    key: str
-    token: str
-    ttl: int
-
-
-def read_lock_labels(labels: Mapping[str, Any], task_id: str) -> LockLabels | None:
-    """Read the lock a sender recorded on the message ``task_id``, never raising.
-
-    Args:
-        labels: The labels of a message.
-        task_id: The message's ``task_id``. Labels copied onto another message
-            (a middleware that reuses a parent's labels) name another owner and
-            do not count.
-
-    Returns:
-        The lock, or ``None`` when the message carries no (well-formed) lock of
-        its own: sent without deduplication, or by a sender without this
-        middleware.
-    """
-    key = labels.get(LOCK_KEY_LABEL)
-    owner = labels.get(LOCK_OWNER_LABEL)
-    ttl = labels.get(LOCK_TTL_LABEL)
-    if not (isinstance(key, str) and isinstance(owner, str) and key):
-        return None
-    token, _, owner_task_id = owner.partition(" ")
-    if not token or owner_task_id != task_id:
-        return None
-    try:
-        seconds = _parse_ttl(ttl)
-    except (TypeError, ValueError):  # TypeError: an unhashable value
-        return None
-    return LockLabels(key=key, token=token, ttl=seconds)
-
-
-def write_lock_labels(labels: dict[str, Any], key: str, owner: str, ttl: int) -> None:
-    """Record on a message the lock its sender took, ``owner`` being the lock's value."""
-    labels[LOCK_KEY_LABEL] = key
-    labels[LOCK_OWNER_LABEL] = owner
-    labels[LOCK_TTL_LABEL] = str(ttl)
-
-
-def drop_lock_labels(labels: dict[str, Any]) -> None:
-    """Remove a lock record, e.g. one a retry copied from the attempt before."""
-    for label in LOCK_LABELS:
-        labels.pop(label, None)
-
-
 def _parse(parser: Any, label: str, value: object) -> Any:  # noqa: ANN401 (each parser has its own type)
     try:
         hash(value)
@@ -166,7 +189,7 @@ def _parse(parser: Any, label: str, value: object) -> Any:  # noqa: ANN401 (each
         return parser(value)
     except ValueError as exc:
         msg = f"invalid value {value!r} for label {label!r}: {exc}"
-        raise ValueError(msg) from None
+        raise InvalidSettingError(msg) from None
 
 
 @functools.lru_cache(maxsize=256, typed=True)
@@ -231,3 +254,26 @@ def _parse_key_fields(value: object) -> tuple[str, ...]:
             msg = f"{name!r} is not a keyword argument name"
             raise ValueError(msg)
     return tuple(dict.fromkeys(names))
+
+
+@functools.lru_cache(maxsize=64, typed=True)
+def _parse_until(value: object) -> Policy:
+    name = value.strip().lower() if isinstance(value, str) else value
+    policy = POLICIES.get(name) if isinstance(name, str) else None
+    if policy is None:
+        msg = f"expected one of {', '.join(map(repr, POLICIES))}"
+        raise ValueError(msg)
+    return policy
+
+
+@functools.lru_cache(maxsize=256, typed=True)
+def _parse_success_ttl(value: object) -> int:
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        msg = "expected a whole number of seconds"
+        raise ValueError(msg)
+    if not 0 <= value <= MAX_TTL:
+        msg = f"the success TTL must be from 0 to {MAX_TTL} seconds (ten years)"
+        raise ValueError(msg)
+    return value

@@ -1,9 +1,8 @@
 """The locks in Redis: acquire, extend, re-assert and release, owner-checked in Lua.
 
-A lock is one string key, ``<key_prefix>:<fingerprint or explicit key>``, whose
-value is ``"<owner token> <task_id>"``: the token is new for every send, so a
-lock can only be extended or released by the send that took it, and the
-task_id names the holder in a [DuplicateTaskError][taskiq_deduplication.DuplicateTaskError].
+The key and value formats are those of `_formats.py`: the owner token in the
+value is new for every send, so a lock can only be extended or released by the
+send that took it.
 
 Every script call goes through one `Pipeline` (in `pipeline.py`),
 which keeps them in order and sends those issued in the same instant together.
@@ -12,7 +11,6 @@ which keeps them in order and sends those issued in the same instant together.
 from __future__ import annotations
 
 import asyncio
-import secrets
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import TYPE_CHECKING, Final
@@ -20,7 +18,8 @@ from typing import TYPE_CHECKING, Final
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 
-from taskiq_deduplication.pipeline import (
+from taskiq_deduplication._formats import lock_value
+from taskiq_deduplication._pipeline import (
     MAX_QUEUED,
     CallTimeoutError,
     Pipeline,
@@ -49,21 +48,6 @@ _DEFAULT_TIMEOUT: Final = 5.0
 _DETACHED_TIMEOUT: Final = 10.0
 
 
-def new_token() -> str:
-    """Make an owner token: unique per send, short, without spaces.
-
-    64 random bits in 11 characters. With a 32-character task_id the lock's value
-    is then 44 bytes, the most Redis stores inside the key's own allocation.
-    """
-    return secrets.token_urlsafe(8)
-
-
-def holder_task_id(value: str) -> str | None:
-    """The ``task_id`` in a lock's value, or ``None`` if the value is not ours."""
-    token, separator, task_id = value.partition(" ")
-    return task_id if separator and token else None
-
-
 @dataclass(frozen=True, slots=True)
 class Lock:
     """One lock as its owner knows it."""
@@ -77,7 +61,7 @@ class Lock:
 
     def __post_init__(self) -> None:
         """Compute the value once: a heartbeat tick sends it for every running task."""
-        object.__setattr__(self, "value", f"{self.token} {self.task_id}")
+        object.__setattr__(self, "value", lock_value(self.token, self.task_id))
 
 
 class Reasserted:
@@ -166,6 +150,10 @@ class LockStore:
             del self._never_sent[lock.token]
             return
         self._pipeline.queue(self._release, [lock.key], [lock.token], f"release lock {lock.key!r}")
+
+    async def extend(self, lock: Lock, ttl_ms: int) -> bool:
+        """Give ``lock`` a TTL of ``ttl_ms`` if still owned; return whether it was."""
+        return bool(await self._pipeline.call(self._extend, [lock.key], [lock.token, ttl_ms]))
 
     async def release(self, lock: Lock) -> bool:
         """Release ``lock`` if still owned; return whether it was."""

@@ -26,6 +26,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from taskiq_deduplication.exceptions import DeduplicationError
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -33,7 +35,8 @@ if TYPE_CHECKING:
     from redis.asyncio.connection import AbstractConnection, ConnectionPool
     from redis.commands.core import AsyncScript
 
-logger = logging.getLogger(__name__)
+# Named for what it logs, not for the private module it lives in.
+logger = logging.getLogger("taskiq_deduplication.pipeline")
 
 # Most calls in one batch (a write-ahead takes all that is queued, up to MAX_QUEUED).
 _MAX_BATCH: Final = 512
@@ -43,7 +46,7 @@ MAX_QUEUED: Final = 10_000
 _DROP_WARNING_INTERVAL: Final = 10.0
 
 
-class CallTimeoutError(RedisTimeoutError):
+class CallTimeoutError(DeduplicationError, RedisTimeoutError):
     """A lock call got no reply by its deadline.
 
     Attributes:
@@ -57,11 +60,11 @@ class CallTimeoutError(RedisTimeoutError):
         self.sent = sent
 
 
-class BacklogFullError(RedisError):
+class BacklogFullError(DeduplicationError, RedisError):
     """So many lock calls wait for Redis already that a new one fails at once."""
 
 
-class PipelineClosedError(RedisError):
+class PipelineClosedError(DeduplicationError, RedisError):
     """The lock pipeline was closed (the middleware shut down) before the call ended."""
 
 

@@ -15,9 +15,11 @@ import logging
 import time
 from dataclasses import dataclass
 
-from taskiq_deduplication.lock import REDIS_ERRORS, Lock, LockStore, Reasserted, holder_task_id
+from taskiq_deduplication._formats import holder_task_id
+from taskiq_deduplication._lock import REDIS_ERRORS, Lock, LockStore, Reasserted
 
-logger = logging.getLogger(__name__)
+# Named for what it logs, not for the private module it lives in.
+logger = logging.getLogger("taskiq_deduplication.heartbeat")
 
 # How soon a refresh that failed on a Redis error is tried again, at the most.
 _RETRY_AFTER = 1.0

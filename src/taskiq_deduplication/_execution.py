@@ -1,0 +1,148 @@
+"""A run of a locked task in this process, from ``pre_execute`` to ``post_execute``.
+
+A run belongs to the asyncio task it began in. Its hooks find it there, and so
+does a retry that a retry middleware sends of it from inside the run; a task
+started from inside a run (an in-memory broker delivering that retry) gets a
+copy of the context, and with it a run that is not its own, so the asyncio
+task is checked too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+from taskiq.exceptions import NoResultError
+
+if TYPE_CHECKING:
+    from taskiq import TaskiqMessage, TaskiqResult
+
+    from taskiq_deduplication._heartbeat import Beat
+    from taskiq_deduplication._lock import Lock
+    from taskiq_deduplication._loops import LoopState
+    from taskiq_deduplication._policies import Policy
+
+# taskiq's own labels, counted up on the running message by Context.requeue()
+# and by the retry middlewares when they send the next attempt.
+_REQUEUE_LABEL: Final = "X-Taskiq-requeue"
+_RETRIES_LABEL: Final = "_retries"
+
+
+class Resent(enum.Enum):
+    """What became of a retry that a run sent of itself, through the middleware."""
+
+    WITH_THE_LOCK = enum.auto()
+    """The retry carries the lock on: this run must not touch it any more."""
+    WITHOUT_A_LOCK = enum.auto()
+    """The retry went out without one: this run ends its lock as a failure does."""
+
+
+@dataclass(eq=False, slots=True)
+class Execution:
+    """One run of a locked task in this process."""
+
+    lock: Lock
+    """The lock as the send took it, with the TTL of a queued task."""
+    lease: Lock
+    """The same lock with the TTL it keeps while the task runs."""
+    policy: Policy
+    success_ttl: int
+    """Seconds the lock stays after a successful run."""
+    task_name: str
+    state: LoopState
+    """The event loop's state the run began in: its heartbeat keeps the lease."""
+    requeues: object
+    """taskiq's requeue count when the run began."""
+    retries: object
+    """The retry middlewares' attempt count when the run began."""
+    beat: Beat | None = None
+    owned: bool = True
+    """Whether the run holds its lock (no other send took it meanwhile)."""
+    ended: bool = False
+    resent: Resent | None = None
+    task: asyncio.Task[Any] | None = field(default=None, repr=False)
+    """The asyncio task the run began in."""
+    context: Any = field(default=None, repr=False)
+    """The token that restores the execution context variable."""
+    on_task_done: Any = field(default=None, repr=False)
+
+    def passed_on(self, message: TaskiqMessage, result: TaskiqResult[Any]) -> bool:
+        """Whether the run handed itself to a later delivery without a send through us.
+
+        ``Context.requeue`` and a retry left to a schedule source both count up
+        their label before they send, and the run then ends with
+        ``NoResultError`` only once that send went through. A retry sent
+        through the middleware is no such hand-over: it took care of the lock.
+        """
+        return (
+            self.resent is None
+            and isinstance(result.error, NoResultError)
+            and (
+                message.labels.get(_REQUEUE_LABEL) != self.requeues
+                or message.labels.get(_RETRIES_LABEL) != self.retries
+            )
+        )
+
+    def stop_heartbeat(self) -> None:
+        """Stop keeping the lease alive; the run's lock is left as it is."""
+        if self.beat is not None:
+            self.state.heartbeat.discard(self.beat)
+        self.beat = None
+
+
+class Executions:
+    """The runs of locked tasks that one middleware follows, one per asyncio task."""
+
+    def __init__(self, name: str) -> None:
+        """Follow runs under a context variable called ``name``."""
+        self._current: contextvars.ContextVar[Execution | None] = contextvars.ContextVar(
+            name, default=None
+        )
+
+    @staticmethod
+    def counts(message: TaskiqMessage) -> tuple[object, object]:
+        """The requeue and retry counts that taskiq keeps on ``message``."""
+        return message.labels.get(_REQUEUE_LABEL), message.labels.get(_RETRIES_LABEL)
+
+    def current(self, task_id: str) -> Execution | None:
+        """The run of ``task_id`` that this asyncio task is in, if any."""
+        execution = self._current.get()
+        if (
+            execution is not None
+            and execution.lock.task_id == task_id
+            and not execution.ended
+            and execution.task is asyncio.current_task()
+        ):
+            return execution
+        return None
+
+    def begin(self, execution: Execution) -> None:
+        """Make ``execution`` the run of this asyncio task."""
+        execution.context = self._current.set(execution)
+        # If a later hook of another middleware raises, post_execute never runs;
+        # the end of the asyncio task still ends the heartbeat.
+        execution.on_task_done = lambda _: execution.stop_heartbeat()
+        execution.task = _current_task()
+        execution.task.add_done_callback(execution.on_task_done)
+
+    def end(self, execution: Execution) -> None:
+        """End ``execution``: no hook or retry finds it any more."""
+        execution.ended = True
+        execution.stop_heartbeat()
+        if execution.task is not None:
+            execution.task.remove_done_callback(execution.on_task_done)
+        try:
+            self._current.reset(execution.context)
+        except ValueError:  # ended in another context than it began in
+            self._current.set(None)
+
+
+def _current_task() -> asyncio.Task[Any]:
+    task = asyncio.current_task()
+    if task is None:  # pragma: no cover (taskiq runs every hook inside a task)
+        msg = "taskiq hooks run inside an asyncio task"
+        raise RuntimeError(msg)
+    return task

@@ -1,0 +1,159 @@
+"""The formats of a lock, built and parsed here and nowhere else.
+
+In Redis, a lock is one string key, ``<key_prefix>:<name>``, where the name is
+the call's fingerprint or the task's explicit key. Its value is
+``"<owner token> <task_id>"``: the token is new for every send, so a lock can
+only be extended or released by the send that took it, and the task_id names
+the holder in a [DuplicateTaskError][taskiq_deduplication.DuplicateTaskError].
+
+On the message, the sender records the lock it took in labels of its own
+(``_deduplication_lock_*``), which travel as strings like taskiq's ``_retries``;
+the worker reads them back to re-assert, refresh and release that very lock.
+
+The middleware, the heartbeat, the CLI and the test helpers all read and write
+these formats through this module.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+#: Between the key prefix and the lock's name.
+KEY_SEPARATOR: Final = ":"
+
+# Labels the sender writes on each message it locked.
+LOCK_KEY_LABEL: Final = "_deduplication_lock_key"
+LOCK_OWNER_LABEL: Final = "_deduplication_lock_owner"
+LOCK_TTL_LABEL: Final = "_deduplication_lock_ttl"
+# Written only when they differ from the default ("finished", 0 seconds), so a
+# message of the default policy is no bigger than before policies existed.
+LOCK_UNTIL_LABEL: Final = "_deduplication_lock_until"
+LOCK_SUCCESS_TTL_LABEL: Final = "_deduplication_lock_success_ttl"
+LOCK_LABELS: Final = (
+    LOCK_KEY_LABEL,
+    LOCK_OWNER_LABEL,
+    LOCK_TTL_LABEL,
+    LOCK_UNTIL_LABEL,
+    LOCK_SUCCESS_TTL_LABEL,
+)
+DEFAULT_UNTIL: Final = "finished"
+
+
+def lock_key(prefix: str, name: str) -> str:
+    """The Redis key of the lock called ``name`` (a fingerprint or an explicit key)."""
+    return f"{prefix}{KEY_SEPARATOR}{name}"
+
+
+def key_pattern(prefix: str, match: str = "*") -> str:
+    """A ``SCAN MATCH`` pattern for the locks under ``prefix`` whose name matches ``match``.
+
+    The prefix is matched literally (its glob characters escaped); ``match`` is
+    a glob over the name.
+    """
+    return re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + KEY_SEPARATOR + match
+
+
+def lock_name(prefix: str, key: str) -> str | None:
+    """The name in a lock key under ``prefix``, or ``None`` if the key is not under it."""
+    head = prefix + KEY_SEPARATOR
+    return key[len(head) :] if key.startswith(head) and len(key) > len(head) else None
+
+
+def new_token() -> str:
+    """Make an owner token: unique per send, short, without spaces.
+
+    64 random bits in 11 characters. With a 32-character task_id the lock's value
+    is then 44 bytes, the most Redis stores inside the key's own allocation.
+    """
+    return secrets.token_urlsafe(8)
+
+
+def lock_value(token: str, task_id: str) -> str:
+    """The value of a lock taken by the send ``token`` of task ``task_id``."""
+    return f"{token} {task_id}"
+
+
+def holder_task_id(value: str) -> str | None:
+    """The ``task_id`` in a lock's value, or ``None`` if the value is not ours."""
+    token, separator, task_id = value.partition(" ")
+    return task_id if separator and token else None
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedLock:
+    """The lock a sender took for a message, as the worker reads it back."""
+
+    key: str
+    token: str
+    ttl: int
+    """The lock's TTL once the broker accepted the message, in seconds."""
+    until: str = DEFAULT_UNTIL
+    """The name of the lock's policy."""
+    success_ttl: int = 0
+    """Seconds the lock stays after a successful run."""
+
+
+def read_lock_labels(labels: Mapping[str, Any], task_id: str) -> RecordedLock | None:
+    """Read the lock a sender recorded on the message ``task_id``, never raising.
+
+    Args:
+        labels: The labels of a message.
+        task_id: The message's ``task_id``. Labels copied onto another message
+            (a middleware that reuses a parent's labels) name another owner and
+            do not count.
+
+    Returns:
+        The lock, or ``None`` when the message carries no (well-formed) lock of
+        its own: sent without deduplication, or by a sender without this
+        middleware.
+    """
+    key = labels.get(LOCK_KEY_LABEL)
+    owner = labels.get(LOCK_OWNER_LABEL)
+    if not (isinstance(key, str) and isinstance(owner, str) and key):
+        return None
+    token, _, owner_task_id = owner.partition(" ")
+    if not token or owner_task_id != task_id:
+        return None
+    ttl = _seconds(labels.get(LOCK_TTL_LABEL), minimum=1)
+    if ttl is None:
+        return None
+    until = labels.get(LOCK_UNTIL_LABEL, DEFAULT_UNTIL)
+    success_ttl = _seconds(labels.get(LOCK_SUCCESS_TTL_LABEL, 0), minimum=0)
+    if not isinstance(until, str) or success_ttl is None:
+        return None
+    return RecordedLock(key, token, ttl, until, success_ttl)
+
+
+def write_lock_labels(labels: dict[str, Any], lock: RecordedLock, task_id: str) -> None:
+    """Record on the message of ``task_id`` the lock its sender took."""
+    labels[LOCK_KEY_LABEL] = lock.key
+    labels[LOCK_OWNER_LABEL] = lock_value(lock.token, task_id)
+    labels[LOCK_TTL_LABEL] = str(lock.ttl)
+    if lock.until != DEFAULT_UNTIL:
+        labels[LOCK_UNTIL_LABEL] = lock.until
+    else:
+        labels.pop(LOCK_UNTIL_LABEL, None)
+    if lock.success_ttl:
+        labels[LOCK_SUCCESS_TTL_LABEL] = str(lock.success_ttl)
+    else:
+        labels.pop(LOCK_SUCCESS_TTL_LABEL, None)
+
+
+def drop_lock_labels(labels: dict[str, Any]) -> None:
+    """Remove a lock record, e.g. one a retry copied from the attempt before."""
+    for label in LOCK_LABELS:
+        labels.pop(label, None)
+
+
+def _seconds(value: object, *, minimum: int) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    return value if isinstance(value, int) and value >= minimum else None
