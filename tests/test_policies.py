@@ -1,0 +1,507 @@
+"""Lock policies: what counts as a duplicate while a task is queued, runs and after it ends.
+
+Each test runs real sends through a real Redis; the broker that holds its
+messages until the test delivers them lets a task wait "in the queue".
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import redis.asyncio
+from taskiq import (
+    Context,
+    SimpleRetryMiddleware,
+    SmartRetryMiddleware,
+    TaskiqDepends,
+    TaskiqMiddleware,
+    TaskiqScheduler,
+)
+
+from taskiq_deduplication import DeduplicationError, DuplicateTaskError
+from tests._brokers import HoldingBroker
+from tests.conftest import (
+    BrokerFactory,
+    MiddlewareFactory,
+    dedup_middleware,
+    lock_keys,
+    lock_value,
+    running_beats,
+)
+from tests.test_execution import KeptSchedules
+
+# The labels of each policy under test, and the table of docs/usage.md: whether
+# a second identical call is refused while the first is queued, while it runs,
+# after it finished successfully, and after it failed (for good).
+POLICIES: dict[str, dict[str, Any]] = {
+    "finished": {},
+    "finished+success_ttl": {"deduplication_success_ttl": 60},
+    "started": {"deduplication_until": "started"},
+    "expired": {"deduplication_until": "expired"},
+}
+REFUSED = {
+    #                        queued running success failure
+    "finished": (True, True, False, False),
+    "finished+success_ttl": (True, True, True, False),
+    "started": (True, False, False, False),
+    "expired": (True, True, True, True),
+}
+ROWS = ("queued", "running", "success", "failure")
+
+
+async def _refused(call: Any) -> bool:
+    try:
+        await call()
+    except DuplicateTaskError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("row", ROWS)
+@pytest.mark.parametrize("policy", POLICIES)
+async def test_what_counts_as_a_duplicate(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, policy: str, row: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+    seen: list[bool] = []
+
+    @broker.task(task_name=None, **POLICIES[policy])
+    async def job(n: int) -> str:
+        if row == "running" and not seen:
+            seen.append(await _refused(lambda: job.kiq(n=n)))
+        if row == "failure":
+            msg = "the task fails"
+            raise RuntimeError(msg)
+        return "done"
+
+    first = await job.kiq(n=1)
+    if row == "queued":
+        seen.append(await _refused(lambda: job.kiq(n=1)))
+    else:
+        await broker.deliver()
+        if row != "running":
+            broker.queued.clear()
+            seen.append(await _refused(lambda: job.kiq(n=1)))
+    assert seen == [REFUSED[policy][ROWS.index(row)]]
+    if policy == "finished+success_ttl" and row == "success":
+        # The lock still names the finished task: its result can be read.
+        (key,) = await lock_keys(redis_client, broker_prefix(broker))
+        assert (await lock_value(redis_client, key)).endswith(" " + first.task_id)
+        assert (await first.wait_result(timeout=5)).return_value == "done"
+
+
+async def deliver_one(broker: HoldingBroker) -> None:
+    """Run the oldest queued message; what it sends stays queued."""
+    await broker.receiver.callback(message=broker.queued.pop(0).message)
+
+
+def broker_prefix(broker: Any) -> str:
+    return str(dedup_middleware(broker).key_prefix)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+async def test_every_policy_lets_a_call_through_after_the_ttl(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str, policy: str
+) -> None:
+    labels = {**POLICIES[policy], "deduplication_ttl": 1}
+    if "deduplication_success_ttl" in labels:
+        labels["deduplication_success_ttl"] = 1
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task(task_name=None, **labels)
+    async def job(n: int) -> None: ...
+
+    await job.kiq(n=1)
+    await broker.deliver()
+    await dedup_middleware(broker).shutdown()  # sends what is queued
+    for key in await lock_keys(redis_client, prefix):
+        assert 0 < await redis_client.pttl(key) <= 1000
+    await asyncio.sleep(1.1)
+    await job.kiq(n=1)  # accepted
+
+
+@pytest.mark.parametrize(
+    ("policy", "scripts"),
+    [
+        # acquire + extend after the send, then at run time:
+        ("finished", 4),  # re-assert at start, release at the end
+        ("finished+success_ttl", 4),  # re-assert at start, keep at the end
+        ("started", 3),  # release at start
+        ("expired", 2),  # nothing
+    ],
+)
+async def test_round_trips_of_each_policy(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, policy: str, scripts: int
+) -> None:
+    broker = await make_broker()
+
+    @broker.task(task_name=None, **POLICIES[policy])
+    async def job(n: int, fail: bool = False) -> None:
+        if fail:
+            msg = "the task fails"
+            raise RuntimeError(msg)
+
+    async def scripts_for(n: int, *, fail: bool) -> int:
+        await redis_client.config_resetstat()
+        await (await job.kiq(n=n, fail=fail)).wait_result(timeout=5)
+        await broker.wait_all()
+        await dedup_middleware(broker).shutdown()  # sends what is queued
+        stats = await redis_client.info("commandstats")
+        return sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("evalsha", "eval"))
+
+    assert await scripts_for(1, fail=False) == scripts
+    assert await scripts_for(2, fail=True) == scripts  # a failure costs what a success does
+    assert running_beats(dedup_middleware(broker)) == []
+
+
+async def test_started_releases_at_start_with_no_heartbeat(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+    during: list[Any] = []
+
+    @broker.task(deduplication_until="started", deduplication_key="refresh")
+    async def refresh() -> None:
+        during.append(await lock_keys(redis_client, prefix))
+        during.append(len(running_beats(dedup_middleware(broker))))
+        second = await refresh.kiq()  # accepted while the first runs, and queued
+        during.append(second.task_id)
+
+    first = await refresh.kiq()
+    await deliver_one(broker)
+    assert during[:2] == [[], 0]
+    # The copy queued while the first ran holds the lock now; it runs once.
+    (key,) = await lock_keys(redis_client, prefix)
+    assert (await lock_value(redis_client, key)).endswith(" " + during[2])
+    assert during[2] != first.task_id
+
+
+async def test_expired_leaves_the_lock_to_its_ttl_however_the_run_ends(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task(deduplication_until="expired", deduplication_ttl=30)
+    async def digest(user_id: int) -> None:
+        if user_id == 2:
+            msg = "the task fails"
+            raise RuntimeError(msg)
+
+    for user_id in (1, 2):
+        sent = await digest.kiq(user_id=user_id)
+        await broker.deliver()
+        assert running_beats(dedup_middleware(broker)) == []
+    await dedup_middleware(broker).shutdown()
+    keys = await lock_keys(redis_client, prefix)
+    assert len(keys) == 2
+    for key in keys:
+        assert 25_000 < await redis_client.pttl(key) <= 30_000
+    holders = {(await lock_value(redis_client, key)).split(" ")[1] for key in keys}
+    assert sent.task_id in holders  # the failed run's lock is there too
+
+
+def _retry_middleware(retry_class: type[TaskiqMiddleware]) -> TaskiqMiddleware:
+    options: dict[str, Any] = {"default_retry_count": 5}
+    if retry_class is SmartRetryMiddleware:
+        options |= {"default_delay": 0, "use_jitter": False, "use_delay_exponent": False}
+    return retry_class(**options)
+
+
+@pytest.mark.parametrize("retry_first", [True, False], ids=["retry-first", "dedup-first"])
+@pytest.mark.parametrize("retry_class", [SimpleRetryMiddleware, SmartRetryMiddleware])
+@pytest.mark.parametrize("policy", POLICIES)
+async def test_a_retry_is_never_its_own_duplicate_nor_lost(
+    make_middleware: MiddlewareFactory,
+    make_broker: BrokerFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+    policy: str,
+    retry_class: type[TaskiqMiddleware],
+    retry_first: bool,
+) -> None:
+    retry, dedup = _retry_middleware(retry_class), make_middleware()
+    broker = await make_broker(
+        broker_class=HoldingBroker, middlewares=[retry, dedup] if retry_first else [dedup, retry]
+    )
+    attempts: list[str] = []
+    refused_between: list[str | None] = []
+
+    @broker.task(task_name=None, retry_on_error=True, deduplication_ttl=30, **POLICIES[policy])
+    async def flaky(user_id: int, context: Context = TaskiqDepends()) -> str:
+        attempts.append(context.message.task_id)
+        if len(attempts) < 3:
+            msg = "not yet"
+            raise RuntimeError(msg)
+        return "done"
+
+    first = await flaky.kiq(user_id=7)
+    expected_lock = await lock_keys(redis_client, prefix)
+    value = await lock_value(redis_client, expected_lock[0])
+    while broker.queued:
+        await deliver_one(broker)
+        # Between attempts, the retry waits in the queue: a new call is refused
+        # while it holds the lock (every policy counts a queued copy).
+        if broker.queued:
+            try:
+                await flaky.kiq(user_id=7)
+            except DuplicateTaskError as err:
+                refused_between.append(err.holder_task_id)
+    assert attempts == [first.task_id] * 3
+    assert refused_between == [first.task_id] * 2
+    assert (await first.wait_result(timeout=5)).return_value == "done"
+    assert running_beats(dedup) == []
+    await dedup.shutdown()
+    keys = await lock_keys(redis_client, prefix)
+    if policy == "expired":
+        # The retries kept the first send's lock as it was: same owner, and the
+        # window was never extended past the first send's TTL.
+        assert keys == expected_lock
+        assert await lock_value(redis_client, keys[0]) == value
+        assert 0 < await redis_client.pttl(keys[0]) <= 30_000
+    elif policy == "finished+success_ttl":
+        assert len(keys) == 1
+        assert 50_000 < await redis_client.pttl(keys[0]) <= 60_000
+    else:
+        assert keys == []
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+async def test_exhausted_retries_end_the_lock_as_a_failure(
+    make_middleware: MiddlewareFactory,
+    make_broker: BrokerFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+    policy: str,
+) -> None:
+    dedup = make_middleware()
+    broker = await make_broker(
+        broker_class=HoldingBroker,
+        middlewares=[dedup, SimpleRetryMiddleware(default_retry_count=3)],
+    )
+    attempts = 0
+
+    @broker.task(task_name=None, retry_on_error=True, **POLICIES[policy])
+    async def hopeless() -> None:
+        nonlocal attempts
+        attempts += 1
+        msg = "never works"
+        raise RuntimeError(msg)
+
+    await hopeless.kiq()
+    await broker.deliver()
+    assert attempts == 3
+    refused = await _refused(hopeless.kiq)
+    assert refused is (policy == "expired")  # a failure frees every other policy's lock
+
+
+async def test_a_started_retry_goes_out_without_a_lock_behind_a_copy_queued_meanwhile(
+    make_middleware: MiddlewareFactory,
+    make_broker: BrokerFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+) -> None:
+    dedup = make_middleware()
+    broker = await make_broker(
+        broker_class=HoldingBroker,
+        middlewares=[dedup, SimpleRetryMiddleware(default_retry_count=2)],
+    )
+    runs: list[str] = []
+
+    @broker.task(task_name=None, retry_on_error=True, deduplication_until="started")
+    async def refresh(shard: int, context: Context = TaskiqDepends()) -> None:
+        runs.append(context.message.task_id)
+        if len(runs) == 1:
+            await refresh.kiq(shard=shard)  # accepted while the first runs
+            msg = "the first run fails"
+            raise RuntimeError(msg)
+
+    first = await refresh.kiq(shard=1)
+    await broker.deliver()
+    # The retry was not refused: both the copy and the retry ran.
+    assert len(runs) == 3
+    assert runs.count(first.task_id) == 2
+    assert await lock_keys(redis_client, prefix) == []
+
+
+@pytest.mark.parametrize("policy", ["started", "expired"])
+async def test_a_requeue_under_each_policy(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str, policy: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+    runs = 0
+
+    @broker.task(task_name=None, deduplication_ttl=30, **POLICIES[policy])
+    async def job(context: Context = TaskiqDepends()) -> None:
+        nonlocal runs
+        runs += 1
+        if runs == 1:
+            await context.requeue()
+
+    await job.kiq()
+    await deliver_one(broker)  # requeues
+    assert len(broker.queued) == 1
+    await dedup_middleware(broker).shutdown()
+    # The requeued copy waits in the queue holding the lock, as a new one would.
+    (key,) = await lock_keys(redis_client, prefix)
+    assert 25_000 < await redis_client.pttl(key) <= 30_000
+    assert await _refused(job.kiq)
+    await broker.deliver()
+    assert runs == 2
+    assert (await lock_keys(redis_client, prefix) == []) is (policy == "started")
+
+
+@pytest.mark.parametrize("policy", ["started", "expired"])
+async def test_a_retry_left_to_a_schedule_source_under_each_policy(
+    make_middleware: MiddlewareFactory,
+    make_broker: BrokerFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+    policy: str,
+) -> None:
+    source = KeptSchedules()
+    retry = SmartRetryMiddleware(
+        default_retry_count=3, default_delay=30, use_jitter=False, schedule_source=source
+    )
+    broker = await make_broker(
+        broker_class=HoldingBroker, middlewares=[make_middleware(default_ttl=60), retry]
+    )
+    attempts = 0
+
+    @broker.task(task_name=None, retry_on_error=True, **POLICIES[policy])
+    async def flaky(n: int) -> str:
+        nonlocal attempts
+        attempts += 1
+        if attempts == 1:
+            msg = "first attempt fails"
+            raise RuntimeError(msg)
+        return "done"
+
+    first = await flaky.kiq(n=1)
+    (key,) = await lock_keys(redis_client, prefix)
+    value = await lock_value(redis_client, key)
+    await broker.deliver()  # attempt 1 fails; the retry waits in the schedule source
+    (scheduled,) = source.schedules
+    await dedup_middleware(broker).shutdown()
+    assert await lock_value(redis_client, key) == value  # held for the retry to come
+    await TaskiqScheduler(broker, [source]).on_ready(source, scheduled)
+    assert len(broker.queued) == 1  # the retry was not refused as its own duplicate
+    assert await _refused(lambda: flaky.kiq(n=1))
+    await broker.deliver()
+    assert attempts == 2
+    assert (await first.wait_result(timeout=5)).return_value == "done"
+    await dedup_middleware(broker).shutdown()
+    if policy == "expired":
+        assert await lock_value(redis_client, key) == value  # the window, untouched
+        assert await redis_client.pttl(key) <= 60_000
+    else:
+        assert await lock_keys(redis_client, prefix) == []
+
+
+@pytest.mark.parametrize(
+    ("labels", "named"),
+    [
+        ({"deduplication_until": "later"}, "deduplication_until"),
+        ({"deduplication_until": ""}, "deduplication_until"),
+        ({"deduplication_until": 5}, "deduplication_until"),
+        ({"deduplication_success_ttl": -1}, "deduplication_success_ttl"),
+        ({"deduplication_success_ttl": "a day"}, "deduplication_success_ttl"),
+        ({"deduplication_success_ttl": 1.5}, "deduplication_success_ttl"),
+        ({"deduplication_success_ttl": True}, "deduplication_success_ttl"),
+        (
+            {"deduplication_until": "started", "deduplication_success_ttl": 60},
+            "deduplication_success_ttl",
+        ),
+        (
+            {"deduplication_until": "expired", "deduplication_success_ttl": "60"},
+            "deduplication_success_ttl",
+        ),
+        (
+            {"deduplication_until": "started", "deduplication_running_ttl": 5},
+            "deduplication_running_ttl",
+        ),
+    ],
+)
+async def test_bad_policy_labels_are_refused_at_kiq_with_nothing_locked_or_sent(
+    make_broker: BrokerFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+    labels: dict[str, Any],
+    named: str,
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task
+    async def job() -> None: ...
+
+    for given in (labels, {k: str(v) for k, v in labels.items()}):  # as the scheduler sends
+        with pytest.raises(ValueError, match=named) as caught:
+            await job.kicker().with_labels(**given).kiq()
+        assert isinstance(caught.value, DeduplicationError)
+    assert broker.queued == []
+    assert await lock_keys(redis_client, prefix) == []
+
+
+@pytest.mark.parametrize(
+    ("labels", "policy"),
+    [
+        ({"deduplication_until": "Started"}, "started"),
+        ({"deduplication_until": " expired "}, "expired"),
+        ({"deduplication_until": "finished", "deduplication_success_ttl": "0"}, "finished"),
+        ({"deduplication_until": "started", "deduplication_success_ttl": 0}, "started"),
+    ],
+)
+async def test_policy_labels_in_their_string_forms(
+    make_broker: BrokerFactory, labels: dict[str, Any], policy: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task
+    async def job() -> None: ...
+
+    await job.kicker().with_labels(**labels).kiq()
+    (message,) = broker.queued
+    assert message.labels.get("_deduplication_lock_until", "finished") == policy
+
+
+async def test_middleware_defaults_set_the_policy_and_the_success_ttl(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(
+        broker_class=HoldingBroker, default_until="started", default_success_ttl=60
+    )
+
+    @broker.task
+    async def refresh() -> None: ...
+
+    @broker.task(deduplication_until="finished")
+    async def charge() -> None: ...
+
+    await refresh.kiq()
+    await charge.kiq()
+    await broker.deliver()
+    await dedup_middleware(broker).shutdown()
+    # refresh released at start (the success TTL means nothing to it); charge
+    # stays for the default success TTL.
+    (key,) = await lock_keys(redis_client, prefix)
+    assert 50_000 < await redis_client.pttl(key) <= 60_000
+    await refresh.kiq()
+    assert await _refused(charge.kiq)
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"default_until": "later"}, "default_until"),
+        ({"default_until": None}, "default_until"),
+        ({"default_success_ttl": -1}, "default_success_ttl"),
+        ({"default_success_ttl": 1.5}, "default_success_ttl"),
+        ({"default_success_ttl": True}, "default_success_ttl"),
+    ],
+)
+def test_bad_policy_options_are_refused_at_construction(
+    make_middleware: MiddlewareFactory, options: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(ValueError, match=named):
+        make_middleware(**options)
