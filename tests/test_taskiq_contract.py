@@ -442,3 +442,20 @@ async def test_broker_startup_and_shutdown_run_the_middlewares_own() -> None:
         "retries) in startup() and closes its client in shutdown(). (InMemoryBroker runs "
         "them only from taskiq 0.13 on; before, the middleware connects on first use.)"
     )
+
+
+def test_a_broker_lists_its_tasks_with_the_labels_they_were_declared_with() -> None:
+    broker = InMemoryBroker()
+
+    @broker.task(deduplication_ttl=60, deduplication_key_fields=["order_id"])
+    async def charge(order_id: str) -> None: ...
+
+    tasks = broker.get_all_tasks()
+    assert tasks[charge.task_name].labels == {
+        "deduplication_ttl": 60,
+        "deduplication_key_fields": ["order_id"],
+    }, (
+        "broker.get_all_tasks() no longer maps each task name to a task whose .labels "
+        "are the decorator's labels, as given. The middleware's startup() checks every "
+        "registered task's deduplication labels through it."
+    )
