@@ -109,3 +109,53 @@ def test_the_plugin_is_not_loaded_unless_a_project_asks_for_it(
     )
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*fixture 'dedup' not found*"])
+
+
+_EDGES = """
+import pytest
+from taskiq import InMemoryBroker
+
+from taskiq_deduplication import RedisDeduplicationMiddleware
+from taskiq_deduplication.testing import Deduplication
+
+pytestmark = pytest.mark.asyncio
+
+
+async def test_a_middleware_of_the_test(dedup_middleware, dedup: Deduplication) -> None:
+    assert dedup_middleware.key_prefix == dedup.key_prefix
+    broker = InMemoryBroker(await_inplace=True).with_middlewares(dedup_middleware)
+
+    @broker.task(task_name="edges.plain")
+    async def plain(n: int) -> int:
+        return n
+
+    off = plain.kicker().with_labels(deduplication=False)
+    assert dedup.key(off, n=1) is None
+    assert await dedup.holder(off, n=1) is None
+    assert not await dedup.is_locked(off, n=1)
+    assert dedup.key(plain, n=1).startswith(dedup.key_prefix + ":")
+
+
+async def test_install_on_a_broker_without_one_adds_it(dedup: Deduplication) -> None:
+    broker = InMemoryBroker()
+
+    @broker.task(task_name="edges.bare")
+    async def bare() -> None: ...
+
+    with pytest.raises(LookupError):
+        dedup.key(bare)
+    added = dedup.install(broker, default_ttl=7)
+    assert broker.middlewares == [added]
+    assert added.default_ttl == 7 and added.key_prefix == dedup.key_prefix
+    assert dedup.key(bare) is not None
+"""
+
+
+def test_the_helpers_edges(
+    pytester: pytest.Pytester, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    shutil.copy(PROJECT / "conftest.py", pytester.path / "conftest.py")
+    pytester.makepyfile(test_edges=_EDGES)
+    result = _run(pytester, "in-process")
+    result.assert_outcomes(passed=2)
