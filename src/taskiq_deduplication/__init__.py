@@ -8,9 +8,11 @@ on the broker; a ``kiq()`` whose task is already queued or running raises
 from taskiq_deduplication.__about__ import __version__
 from taskiq_deduplication.exceptions import DeduplicationError, DuplicateTaskError
 from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
+from taskiq_deduplication.scheduler import DeduplicationScheduler
 
 __all__ = [
     "DeduplicationError",
+    "DeduplicationScheduler",
     "DuplicateTaskError",
     "RedisDeduplicationMiddleware",
     "__version__",

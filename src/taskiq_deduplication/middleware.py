@@ -26,6 +26,7 @@ from taskiq import TaskiqMessage, TaskiqMiddleware, TaskiqResult
 
 from taskiq_deduplication import _labels as labels
 from taskiq_deduplication import _options as options
+from taskiq_deduplication import _refusals
 from taskiq_deduplication._client import client_from_url
 from taskiq_deduplication._execution import Execution, Executions, Resent
 from taskiq_deduplication._fingerprint import call_fingerprint, fields_fingerprint
@@ -299,7 +300,9 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                     key,
                 )
                 return self._without_lock(message, running)
-            logger.warning(
+            # A caller that handles the refusal (the scheduler) logs it itself.
+            log = logger.debug if _refusals.HANDLED.get() else logger.warning
+            log(
                 "Task %s (%s) not sent: a duplicate of task %s, which holds lock %r",
                 message.task_name,
                 message.task_id,

@@ -1,0 +1,161 @@
+"""The pytest plugin, used as an application's project uses it.
+
+``docs/examples/testing/`` is such a project: a ``conftest.py`` that opts in, an
+app on InMemoryBroker and one on a module-level ListQueueBroker run by a real
+``taskiq worker``. Each run copies it into a fresh directory and runs pytest
+there, in this process or in a new one, with ``REDIS_URL`` set (the session's
+Redis) or unset (the plugin starts an embedded Valkey).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import redis
+
+pytest_plugins = ["pytester"]
+
+PROJECT = Path(__file__).resolve().parent.parent / "docs" / "examples" / "testing"
+
+# Asks the server who it is: with REDIS_URL unset it must be the embedded Valkey.
+_WHICH_SERVER = """
+import os
+
+import redis
+
+
+def test_the_session_redis(dedup_redis_url: str) -> None:
+    assert os.environ["REDIS_URL"] == dedup_redis_url
+    info = redis.Redis.from_url(dedup_redis_url).info("server")
+    print("SERVER", "valkey" if "valkey_version" in info else "redis", dedup_redis_url)
+"""
+
+
+def _project(pytester: pytest.Pytester, *names: str) -> None:
+    pytest.importorskip("taskiq_redis", reason="the docs' apps use taskiq-redis")
+    for name in ("conftest.py", *names):
+        shutil.copy(PROJECT / name, pytester.path / name)
+    pytester.makepyfile(test_which_server=_WHICH_SERVER)
+
+
+# pytest-asyncio warns about its loop scope when a project's ini does not set it.
+_QUIET = ("-o", "asyncio_default_fixture_loop_scope=function")
+
+
+def _run(pytester: pytest.Pytester, mode: str) -> pytest.RunResult:
+    # Hypothesis is not the application's; loading it costs seconds per run.
+    options = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-s", "-q", *_QUIET)
+    if mode == "subprocess":
+        return pytester.runpytest_subprocess(*options, timeout=60)
+    return pytester.runpytest_inprocess(*options)
+
+
+def _check_server(result: pytest.RunResult, session_redis: str | None) -> None:
+    (line,) = [line for line in result.outlines if "SERVER " in line]
+    if session_redis is None:
+        assert "SERVER valkey redis://127.0.0.1:" in line, line
+    else:
+        assert line.endswith(f" {session_redis}"), line
+
+
+APPS = ("invoices.py", "test_invoices.py", "shop.py", "test_shop.py")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("mode", "url"), [("in-process", "REDIS_URL set"), ("subprocess", "REDIS_URL unset")]
+)
+def test_the_docs_project_passes_with_deduplication_on(
+    pytester: pytest.Pytester,
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    mode: str,
+    url: str,
+) -> None:
+    session_redis = redis_url if url == "REDIS_URL set" else None
+    if session_redis is None:
+        monkeypatch.delenv("REDIS_URL", raising=False)
+    else:
+        monkeypatch.setenv("REDIS_URL", session_redis)
+    _project(pytester, *APPS)
+    result = _run(pytester, mode)
+    result.assert_outcomes(passed=4)
+    _check_server(result, session_redis)
+
+
+def test_the_embedded_valkey_ends_with_the_session(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    _project(pytester, "invoices.py", "test_invoices.py")
+    result = _run(pytester, "in-process")
+    result.assert_outcomes(passed=3)
+    (line,) = [line for line in result.outlines if "SERVER " in line]
+    url = line.split()[-1]
+    assert "REDIS_URL" not in os.environ  # put back as it was
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(url, socket_connect_timeout=2).ping()
+
+
+def test_the_plugin_is_not_loaded_unless_a_project_asks_for_it(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(test_no_plugin="def test_it(dedup):\n    pass\n")
+    result = pytester.runpytest_inprocess(
+        "-p", "no:cacheprovider", "-p", "no:hypothesispytest", *_QUIET
+    )
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*fixture 'dedup' not found*"])
+
+
+_EDGES = """
+import pytest
+from taskiq import InMemoryBroker
+
+from taskiq_deduplication import RedisDeduplicationMiddleware
+from taskiq_deduplication.testing import Deduplication
+
+pytestmark = pytest.mark.asyncio
+
+
+async def test_a_middleware_of_the_test(dedup_middleware, dedup: Deduplication) -> None:
+    assert dedup_middleware.key_prefix == dedup.key_prefix
+    broker = InMemoryBroker(await_inplace=True).with_middlewares(dedup_middleware)
+
+    @broker.task(task_name="edges.plain")
+    async def plain(n: int) -> int:
+        return n
+
+    off = plain.kicker().with_labels(deduplication=False)
+    assert dedup.key(off, n=1) is None
+    assert await dedup.holder(off, n=1) is None
+    assert not await dedup.is_locked(off, n=1)
+    assert dedup.key(plain, n=1).startswith(dedup.key_prefix + ":")
+
+
+async def test_install_on_a_broker_without_one_adds_it(dedup: Deduplication) -> None:
+    broker = InMemoryBroker()
+
+    @broker.task(task_name="edges.bare")
+    async def bare() -> None: ...
+
+    with pytest.raises(LookupError):
+        dedup.key(bare)
+    added = dedup.install(broker, default_ttl=7)
+    assert broker.middlewares == [added]
+    assert added.default_ttl == 7 and added.key_prefix == dedup.key_prefix
+    assert dedup.key(bare) is not None
+"""
+
+
+def test_the_helpers_edges(
+    pytester: pytest.Pytester, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    shutil.copy(PROJECT / "conftest.py", pytester.path / "conftest.py")
+    pytester.makepyfile(test_edges=_EDGES)
+    result = _run(pytester, "in-process")
+    result.assert_outcomes(passed=2)
