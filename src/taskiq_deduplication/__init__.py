@@ -6,12 +6,15 @@ on the broker; a ``kiq()`` whose task is already queued or running raises
 """
 
 from taskiq_deduplication.__about__ import __version__
+from taskiq_deduplication.events import LockEvent, LockEventKind
 from taskiq_deduplication.exceptions import DeduplicationError, DuplicateTaskError
 from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
 
 __all__ = [
     "DeduplicationError",
     "DuplicateTaskError",
+    "LockEvent",
+    "LockEventKind",
     "RedisDeduplicationMiddleware",
     "__version__",
 ]
