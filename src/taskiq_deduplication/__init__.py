@@ -6,6 +6,7 @@ on the broker; a ``kiq()`` whose task is already queued or running raises
 """
 
 from taskiq_deduplication.__about__ import __version__
+from taskiq_deduplication.events import LockEvent, LockEventKind
 from taskiq_deduplication.exceptions import DeduplicationError, DuplicateTaskError
 from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
 from taskiq_deduplication.scheduler import DeduplicationScheduler
@@ -14,6 +15,8 @@ __all__ = [
     "DeduplicationError",
     "DeduplicationScheduler",
     "DuplicateTaskError",
+    "LockEvent",
+    "LockEventKind",
     "RedisDeduplicationMiddleware",
     "__version__",
 ]

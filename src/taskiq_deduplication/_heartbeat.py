@@ -14,9 +14,14 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from taskiq_deduplication._formats import holder_task_id
 from taskiq_deduplication._lock import REDIS_ERRORS, Lock, LockStore, Reasserted
+from taskiq_deduplication.events import EventSink, LockEventKind
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 # Named for what it logs, not for the private module it lives in.
 logger = logging.getLogger("taskiq_deduplication.heartbeat")
@@ -38,9 +43,21 @@ class Beat:
 class Heartbeat:
     """Refreshes the locks of running tasks until each task ends."""
 
-    def __init__(self, store: LockStore) -> None:
-        """Create an idle heartbeat; its loop runs only while there are beats."""
+    def __init__(
+        self,
+        store: LockStore,
+        events: EventSink | None = None,
+        *,
+        held: Callable[[int], None] | None = None,
+    ) -> None:
+        """Create an idle heartbeat; its loop runs only while there are beats.
+
+        What a refresh finds (a lock taken back, a lock lost) goes to
+        ``events``; every change in the number of beats goes to ``held``.
+        """
         self._store = store
+        self._events = events or EventSink()
+        self._held = held
         self._beats: set[Beat] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self._wakeup = asyncio.Event()
@@ -53,6 +70,8 @@ class Heartbeat:
     def add(self, beat: Beat) -> None:
         """Keep ``beat``'s lock alive, first refreshing it one interval from now."""
         beat.due = time.monotonic() + beat.interval
+        if self._held is not None and beat not in self._beats:
+            self._held(1)
         self._beats.add(beat)
         if beat.due < self._next_wake:
             self._wakeup.set()
@@ -61,12 +80,16 @@ class Heartbeat:
 
     def discard(self, beat: Beat) -> None:
         """Stop refreshing ``beat``'s lock; a refresh already sent may still land."""
+        if self._held is not None and beat in self._beats:
+            self._held(-1)
         self._beats.discard(beat)
         if not self._beats:
             self._wakeup.set()
 
     async def stop(self) -> None:
         """Stop refreshing every lock and end the loop."""
+        if self._held is not None and self._beats:
+            self._held(-len(self._beats))
         self._beats.clear()
         if self._loop_task is not None:
             self._loop_task.cancel()
@@ -113,13 +136,24 @@ class Heartbeat:
                     beat.task_name,
                     beat.lock.task_id,
                 )
+                self._events.emit(
+                    LockEventKind.TAKEN_BACK,
+                    beat.task_name,
+                    beat.lock.task_id,
+                    beat.lock.key,
+                    beat.lock.task_id,
+                )
             elif isinstance(reply, str):
+                holder = holder_task_id(reply)
                 logger.warning(
                     "Lock %r of running task %s (%s) is now held by task %s; "
                     "no longer refreshing it",
                     beat.lock.key,
                     beat.task_name,
                     beat.lock.task_id,
-                    holder_task_id(reply),
+                    holder,
                 )
-                self._beats.discard(beat)
+                self._events.emit(
+                    LockEventKind.LOST, beat.task_name, beat.lock.task_id, beat.lock.key, holder
+                )
+                self.discard(beat)

@@ -28,7 +28,7 @@ from taskiq_deduplication._pipeline import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from redis.asyncio import Redis
     from redis.commands.core import AsyncScript
@@ -79,11 +79,14 @@ def _load_script(client: RedisClient, name: str) -> AsyncScript:
 class LockStore:
     """The lock operations, each one owner-checked Lua script, sent in batches."""
 
-    def __init__(self, client: RedisClient) -> None:
+    def __init__(
+        self, client: RedisClient, *, round_trip: Callable[[float], None] | None = None
+    ) -> None:
         """Register the scripts on ``client``; nothing is sent yet.
 
         Every call waits for its reply at most the client's ``socket_timeout``
-        (5 seconds if it has none), counted from the moment it is made.
+        (5 seconds if it has none), counted from the moment it is made. The
+        seconds of each round trip go to ``round_trip``, if given.
         """
         self._acquire = _load_script(client, "acquire")
         self._extend = _load_script(client, "extend")
@@ -94,6 +97,7 @@ class LockStore:
             (self._acquire, self._extend, self._release, self._reassert),
             timeout=call_timeout(client),
             detached_timeout=_DETACHED_TIMEOUT,
+            round_trip=round_trip,
         )
         # Owner tokens of acquires that timed out before they were sent: they
         # never ran, so the release that would undo one has nothing to undo.

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from redis.asyncio import Redis
     from redis.asyncio.cluster import RedisCluster
 
+    from taskiq_deduplication._metrics import Metrics
+    from taskiq_deduplication.events import EventSink
+
     RedisClient = Redis | RedisCluster
 
 # Named for what it logs, not for the private module it lives in.
@@ -58,9 +61,20 @@ class LoopState:
 class LoopStates:
     """The `LoopState` of every event loop that uses one middleware."""
 
-    def __init__(self, make_client: Callable[[], tuple[RedisClient, bool]]) -> None:
-        """Make states whose client comes from ``make_client``: ``(client, owned)``."""
+    def __init__(
+        self,
+        make_client: Callable[[], tuple[RedisClient, bool]],
+        events: EventSink,
+        metrics: Callable[[], Metrics | None],
+    ) -> None:
+        """Make states whose client comes from ``make_client``: ``(client, owned)``.
+
+        Their heartbeats tell ``events`` what they find; when ``metrics`` gives
+        metrics, the states made from then on record into them.
+        """
         self._make_client = make_client
+        self._events = events
+        self._metrics = metrics
         self._states: dict[asyncio.AbstractEventLoop, LoopState] = {}
 
     def __len__(self) -> int:
@@ -91,8 +105,10 @@ class LoopStates:
             logger.debug("Dropping the deduplication state of a closed event loop")
             del self._states[ended]
         client, owned = self._make_client()
-        locks = LockStore(client)
-        state = LoopState(loop, client, owned, locks, Heartbeat(locks))
+        metrics = self._metrics()
+        locks = LockStore(client, round_trip=metrics.round_trip if metrics else None)
+        heartbeat = Heartbeat(locks, self._events, held=metrics.held if metrics else None)
+        state = LoopState(loop, client, owned, locks, heartbeat)
         state.closer = self._close_with_loop(state)
         # Advancing it to its yield registers it with the loop's shutdown_asyncgens().
         # It reaches the yield without suspending, so no other caller in this loop

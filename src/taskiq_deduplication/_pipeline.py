@@ -17,6 +17,7 @@ import asyncio
 import functools
 import inspect
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol
@@ -29,7 +30,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from taskiq_deduplication.exceptions import DeduplicationError
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from redis.asyncio import Redis
     from redis.asyncio.connection import AbstractConnection, ConnectionPool
@@ -106,6 +107,7 @@ class Pipeline:
         *,
         timeout: float,
         detached_timeout: float,
+        round_trip: Callable[[float], None] | None = None,
     ) -> None:
         """Send through ``client`` the calls of ``scripts``; nothing is sent yet.
 
@@ -116,6 +118,7 @@ class Pipeline:
             detached_timeout: Seconds after which a call nobody waits for is not
                 worth sending any more. Never shorter than ``timeout``, so that
                 a later call is never dropped while an earlier one still goes.
+            round_trip: Told the seconds of each round trip (the metrics), if given.
         """
         self.scripts = scripts
         self.timeout = timeout
@@ -123,6 +126,8 @@ class Pipeline:
         self._transport: _Transport = (
             _ClusterTransport(client) if isinstance(client, RedisCluster) else _Connection(client)
         )
+        if round_trip is not None:
+            self._transport = _TimedTransport(self._transport, round_trip)
         self._queue: deque[_Call] = deque()
         self._written: list[_Call] = []  # sent ahead; their replies are still to be read
         # The calls someone waits for, not yet answered, in the order they were
@@ -727,6 +732,35 @@ class _ClusterTransport:
 
     async def close(self) -> None:
         pass
+
+
+class _TimedTransport:
+    """A transport that tells how long each round trip took, answered or failed."""
+
+    def __init__(self, transport: _Transport, round_trip: Callable[[float], None]) -> None:
+        self._transport = transport
+        self._round_trip = round_trip
+        self.writes_ahead = transport.writes_ahead
+
+    @property
+    def ready(self) -> bool:
+        return self._transport.ready
+
+    async def connect(self) -> None:
+        await self._transport.connect()
+
+    async def write(self, commands: list[Command]) -> None:
+        await self._transport.write(commands)  # no round trip: its replies come with execute
+
+    async def execute(self, commands: list[Command]) -> list[Any]:
+        start = time.perf_counter()
+        try:
+            return await self._transport.execute(commands)
+        finally:
+            self._round_trip(time.perf_counter() - start)
+
+    async def close(self) -> None:
+        await self._transport.close()
 
 
 def text(reply: bytes | str) -> str:

@@ -27,6 +27,7 @@ from taskiq import TaskiqMessage, TaskiqMiddleware, TaskiqResult
 from taskiq_deduplication import _labels as labels
 from taskiq_deduplication import _options as options
 from taskiq_deduplication import _refusals
+from taskiq_deduplication import _tracing as tracing
 from taskiq_deduplication._client import client_from_url
 from taskiq_deduplication._execution import Execution, Executions, Resent
 from taskiq_deduplication._fingerprint import call_fingerprint, fields_fingerprint
@@ -42,10 +43,14 @@ from taskiq_deduplication._formats import (
 from taskiq_deduplication._heartbeat import Beat
 from taskiq_deduplication._lock import REDIS_ERRORS, Lock, Reasserted
 from taskiq_deduplication._loops import LoopStates
+from taskiq_deduplication._metrics import Metrics, process_metrics
 from taskiq_deduplication._policies import FINISHED, POLICIES, RetrySend, Step
+from taskiq_deduplication.events import EventSink, LockEventKind, Subscriber
 from taskiq_deduplication.exceptions import DuplicateTaskError, StartupError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from pydantic import RedisDsn
     from redis.asyncio import Redis
     from redis.asyncio.cluster import RedisCluster
@@ -105,6 +110,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         default_until: str = "finished",
         default_success_ttl: int = 0,
         client: Redis | RedisCluster | None = None,
+        metrics: bool = True,
     ) -> None:
         """Configure the middleware; nothing connects until the broker starts.
 
@@ -142,6 +148,9 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 it at once.
             client: A ready ``redis.asyncio`` client (``Redis`` or ``RedisCluster``)
                 to use instead of ``redis_url``. The middleware does not close it.
+            metrics: Whether to record the Prometheus metrics (see
+                [Events and metrics](observability.md)) when ``prometheus_client``
+                is installed; they are recorded from the broker's startup on.
 
         Raises:
             ValueError: An option is missing, of the wrong type or out of range.
@@ -174,13 +183,34 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             success_ttl=self.default_success_ttl,
             heartbeat=self.heartbeat,
         )
-        self._states = LoopStates(self._new_client)
+        self.metrics = options.check_bool("metrics", metrics)
+        self._events = EventSink()
+        self._metrics: Metrics | None = None
+        self._states = LoopStates(self._new_client, self._events, lambda: self._metrics)
         self._executions = Executions(f"taskiq_deduplication_execution_{id(self):x}")
         # The lock value of a retry's send that keeps its lock as it is: the
         # post_send of that very kiq (same context) must not extend it.
         self._kept: contextvars.ContextVar[str | None] = contextvars.ContextVar(
             f"taskiq_deduplication_kept_{id(self):x}", default=None
         )
+
+    def subscribe(self, subscriber: Subscriber) -> Callable[[], None]:
+        """Call ``subscriber`` with every [LockEvent][taskiq_deduplication.LockEvent] from now on.
+
+        It is called in the hook or heartbeat tick that made the event, in every
+        event loop that uses the middleware; an exception it raises is logged
+        and never reaches ``kiq`` or the task.
+
+        Args:
+            subscriber: A callable taking one ``LockEvent``.
+
+        Returns:
+            A function that ends the subscription.
+
+        Raises:
+            TypeError: ``subscriber`` is not callable.
+        """
+        return self._events.subscribe(subscriber)
 
     # Startup and shutdown
 
@@ -219,6 +249,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             labels.check_task_labels(
                 ((name, task.labels) for name, task in tasks.items()), self._defaults
             )
+        self._observe(broker)
         state = await self._states.current()
         for attempt in range(self.startup_retries):
             try:
@@ -273,6 +304,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         send = labels.read_send_options(message.labels, self._defaults)
         if send is None:
             drop_lock_labels(message.labels)
+            self._outcome(LockEventKind.OFF, message, None, None)
             return message
         running = self._executions.current(message.task_id)
         earlier = running.lock if running is not None else self._lock_of(message)
@@ -282,6 +314,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             if running is not None:
                 running.resent = Resent.WITH_THE_LOCK
             self._record(message, earlier.key, earlier.token, send)
+            self._outcome(LockEventKind.LOCKED, message, earlier.key, message.task_id)
             return message
         key = earlier.key if earlier is not None else self._lock_key(message, send)
         lock = Lock(key, new_token(), message.task_id, send.ttl * 1000)
@@ -299,6 +332,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                     holder_id,
                     key,
                 )
+                self._outcome(LockEventKind.OFF, message, key, holder_id)
                 return self._without_lock(message, running)
             # A caller that handles the refusal (the scheduler) logs it itself.
             log = logger.debug if _refusals.HANDLED.get() else logger.warning
@@ -309,6 +343,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 holder_id,
                 key,
             )
+            self._outcome(LockEventKind.DUPLICATE, message, key, holder_id)
             raise DuplicateTaskError(message.task_name, key, holder_id)
         if earlier is not None:
             logger.debug(
@@ -318,6 +353,8 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             running.resent = Resent.WITH_THE_LOCK
             running.stop_heartbeat()
         self._record(message, key, lock.token, send)
+        if self._events.active:  # inline: the one point every accepted send passes
+            self._outcome(LockEventKind.LOCKED, message, key, message.task_id)
         return message
 
     async def post_send(self, message: TaskiqMessage) -> None:
@@ -423,8 +460,10 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 await locks.reassert([lock])
             elif step is Step.REMEMBER and execution.success_ttl:
                 await locks.extend(lock, execution.success_ttl * 1000)
-            else:
-                await locks.release(lock)
+            elif await locks.release(lock):
+                self._events.emit(
+                    LockEventKind.RELEASED, message.task_name, message.task_id, lock.key, None
+                )
         except REDIS_ERRORS as exc:
             logger.warning(
                 "Could not %s lock %r of task %s (%s): %s: %s; it expires in %ds",
@@ -465,6 +504,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 type(exc).__name__,
                 exc,
             )
+            self._outcome(LockEventKind.FAIL_OPEN, message, lock.key, None, error=exc)
             return _FAILED_OPEN
         except asyncio.CancelledError:
             state.locks.release_detached(lock)
@@ -492,15 +532,49 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 message.task_name,
                 message.task_id,
             )
+            self._events.emit(
+                LockEventKind.TAKEN_BACK,
+                message.task_name,
+                message.task_id,
+                lock.key,
+                message.task_id,
+            )
         elif isinstance(reply, str):
+            holder = holder_task_id(reply)
             logger.warning(
                 "Task %s (%s) runs although task %s now holds its lock %r",
                 message.task_name,
                 message.task_id,
-                holder_task_id(reply),
+                holder,
                 lock.key,
             )
+            self._events.emit(
+                LockEventKind.LOST, message.task_name, message.task_id, lock.key, holder
+            )
             execution.owned = False
+
+    def _outcome(
+        self,
+        kind: LockEventKind,
+        message: TaskiqMessage,
+        key: str | None,
+        holder: str | None,
+        error: BaseException | None = None,
+    ) -> None:
+        """Tell subscribers (and the send span) what became of ``message``'s send."""
+        if self._events.active:  # checked first: every send comes this way
+            self._events.emit(
+                kind, message.task_name, message.task_id, key, holder, error=error, message=message
+            )
+
+    def _observe(self, broker: AsyncBroker | None) -> None:
+        """Record metrics and annotate send spans from now on, where they are available."""
+        if self.metrics and self._metrics is None:
+            self._metrics = process_metrics()
+            if self._metrics is not None:
+                self._events.subscribe(self._metrics.record)
+        if tracing.is_traced(broker):
+            self._events.trace_sends(tracing.annotate_send)
 
     def _without_lock(self, message: TaskiqMessage, running: Execution | None) -> TaskiqMessage:
         """Let ``message`` go out without a lock (fail-open, or a retry that found none)."""

@@ -1,0 +1,268 @@
+"""Lock events, as a subscriber sees them, against a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import pytest
+import redis.asyncio
+from taskiq import SimpleRetryMiddleware
+
+from taskiq_deduplication import (
+    DuplicateTaskError,
+    LockEvent,
+    LockEventKind,
+    RedisDeduplicationMiddleware,
+)
+from tests._brokers import HoldingBroker
+from tests.conftest import BrokerFactory, MiddlewareFactory, lock_keys
+
+LOCKED, DUPLICATE, OFF = LockEventKind.LOCKED, LockEventKind.DUPLICATE, LockEventKind.OFF
+RELEASED, TAKEN_BACK, LOST = LockEventKind.RELEASED, LockEventKind.TAKEN_BACK, LockEventKind.LOST
+
+
+def record(middleware: RedisDeduplicationMiddleware) -> list[LockEvent]:
+    events: list[LockEvent] = []
+    middleware.subscribe(events.append)
+    return events
+
+
+async def test_a_task_s_life_is_told_as_locked_then_released(
+    make_middleware: MiddlewareFactory, make_broker: BrokerFactory
+) -> None:
+    middleware = make_middleware()
+    events = record(middleware)
+    broker = await make_broker(middlewares=[middleware], broker_class=HoldingBroker)
+
+    @broker.task
+    async def job(n: int) -> None: ...
+
+    sent = await job.kiq(1)
+    refused = job.kicker().with_task_id("second")
+    with pytest.raises(DuplicateTaskError):
+        await refused.kiq(1)
+    await broker.deliver()
+    (key,) = {event.key for event in events}
+    assert events == [
+        LockEvent(LOCKED, job.task_name, sent.task_id, key, sent.task_id),
+        LockEvent(DUPLICATE, job.task_name, "second", key, sent.task_id),
+        LockEvent(RELEASED, job.task_name, sent.task_id, key, None),
+    ]
+    assert key is not None
+    assert key.startswith(middleware.key_prefix)
+
+
+async def test_a_send_without_deduplication_is_off(
+    make_middleware: MiddlewareFactory, make_broker: BrokerFactory
+) -> None:
+    middleware = make_middleware()
+    events = record(middleware)
+    broker = await make_broker(middlewares=[middleware])
+
+    @broker.task(deduplication=False)
+    async def job() -> None: ...
+
+    sent = await job.kiq()
+    await broker.wait_all()
+    assert events == [LockEvent(OFF, job.task_name, sent.task_id, None, None)]
+
+
+async def test_fail_open_tells_the_redis_error(make_broker: BrokerFactory) -> None:
+    dead = "redis://127.0.0.1:1/0?socket_connect_timeout=0.5"
+    middleware = RedisDeduplicationMiddleware(redis_url=dead, fail_open=True)
+    events = record(middleware)
+    broker = HoldingBroker().with_middlewares(middleware)
+
+    @broker.task
+    async def job() -> None: ...
+
+    sent = await job.kiq()
+    (event,) = events
+    assert (event.kind, event.task_id, event.holder_task_id) == (
+        LockEventKind.FAIL_OPEN,
+        sent.task_id,
+        None,
+    )
+    assert isinstance(event.error, OSError | redis.exceptions.RedisError)
+    assert event.key is not None
+
+
+async def test_a_run_that_finds_its_lock_gone_takes_it_back(
+    make_middleware: MiddlewareFactory,
+    make_broker: BrokerFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+) -> None:
+    middleware = make_middleware()
+    events = record(middleware)
+    broker = await make_broker(middlewares=[middleware], broker_class=HoldingBroker)
+
+    @broker.task
+    async def job() -> None: ...
+
+    sent = await job.kiq()
+    (key,) = await lock_keys(redis_client, prefix)
+    await redis_client.delete(key)  # as if it expired in the queue
+    await broker.deliver()
+    assert [(e.kind, e.holder_task_id) for e in events] == [
+        (LOCKED, sent.task_id),
+        (TAKEN_BACK, sent.task_id),
+        (RELEASED, None),
+    ]
+
+
+async def test_a_run_whose_lock_another_task_holds_tells_it_lost(
+    make_middleware: MiddlewareFactory,
+    make_broker: BrokerFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+) -> None:
+    middleware = make_middleware()
+    events = record(middleware)
+    broker = await make_broker(middlewares=[middleware], broker_class=HoldingBroker)
+
+    @broker.task
+    async def job() -> None: ...
+
+    await job.kiq()
+    (key,) = await lock_keys(redis_client, prefix)
+    await redis_client.set(key, "othertoken other-task", px=30_000)
+    await broker.deliver()
+    # Lost at the start, and the end leaves the other task's lock alone: no release.
+    assert [(e.kind, e.key, e.holder_task_id) for e in events][1:] == [(LOST, key, "other-task")]
+
+
+async def test_the_heartbeat_tells_what_it_finds(
+    make_middleware: MiddlewareFactory,
+    make_broker: BrokerFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+) -> None:
+    middleware = make_middleware(default_ttl=2, heartbeat_interval=0.2)
+    events = record(middleware)
+    broker = await make_broker(middlewares=[middleware], broker_class=HoldingBroker)
+
+    @broker.task
+    async def slow() -> None:
+        (key,) = await lock_keys(redis_client, prefix)
+        await redis_client.delete(key)
+        await _until(lambda: TAKEN_BACK in kinds(events))
+        await redis_client.set(key, "othertoken other-task", px=10_000)
+        await _until(lambda: LOST in kinds(events))
+
+    sent = await slow.kiq()
+    await broker.deliver()
+    assert kinds(events) == [LOCKED, TAKEN_BACK, LOST]
+    assert events[1].holder_task_id == sent.task_id
+    assert events[2].holder_task_id == "other-task"
+
+
+async def test_a_retry_that_takes_the_lock_over_is_locked_again(
+    make_middleware: MiddlewareFactory, make_broker: BrokerFactory
+) -> None:
+    middleware = make_middleware()
+    events = record(middleware)
+    broker = await make_broker(
+        middlewares=[SimpleRetryMiddleware(default_retry_count=3), middleware]
+    )
+    attempts: list[int] = []
+
+    @broker.task(retry_on_error=True)
+    async def flaky() -> None:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise RuntimeError
+
+    sent = await flaky.kiq()
+    await _until(lambda: RELEASED in kinds(events))
+    await broker.wait_all()
+    assert kinds(events) == [LOCKED, LOCKED, RELEASED]
+    assert {e.task_id for e in events} == {sent.task_id}
+
+
+async def test_a_subscriber_that_raises_breaks_neither_send_nor_run(
+    make_middleware: MiddlewareFactory,
+    make_broker: BrokerFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    middleware = make_middleware()
+
+    def broken(event: LockEvent) -> None:
+        raise ZeroDivisionError(event.kind.value)
+
+    middleware.subscribe(broken)
+    events = record(middleware)  # a later subscriber still gets every event
+    broker = await make_broker(middlewares=[middleware], broker_class=HoldingBroker)
+    ran: list[str] = []
+
+    @broker.task
+    async def job() -> str:
+        ran.append("ran")
+        return "done"
+
+    caplog.set_level(logging.ERROR, logger="taskiq_deduplication")
+    handle = await job.kiq()
+    with pytest.raises(DuplicateTaskError):
+        await job.kiq()
+    await broker.deliver()
+    assert ran == ["ran"]
+    assert (await handle.wait_result(timeout=5)).return_value == "done"
+    assert kinds(events) == [LOCKED, DUPLICATE, RELEASED]
+    failures = [r for r in caplog.records if "subscriber" in r.getMessage()]
+    assert len(failures) == 3
+    assert all(r.exc_info is not None for r in failures)
+    assert await lock_keys(redis_client, prefix) == []
+
+
+async def test_unsubscribing_stops_the_events(
+    make_middleware: MiddlewareFactory, make_broker: BrokerFactory
+) -> None:
+    middleware = make_middleware()
+    events: list[LockEvent] = []
+    unsubscribe = middleware.subscribe(events.append)
+    broker = await make_broker(middlewares=[middleware])
+
+    @broker.task
+    async def job(n: int) -> None: ...
+
+    await job.kiq(1)
+    unsubscribe()
+    unsubscribe()  # twice is harmless
+    await job.kiq(2)
+    await broker.wait_all()
+    assert kinds(events) == [LOCKED]
+
+
+def test_a_subscriber_must_be_callable(make_middleware: MiddlewareFactory) -> None:
+    with pytest.raises(TypeError, match="callable"):
+        make_middleware().subscribe("print")  # type: ignore[arg-type]
+
+
+def test_every_kind_is_its_own_string() -> None:
+    assert [kind.value for kind in LockEventKind] == [
+        "locked",
+        "duplicate",
+        "merged",
+        "fail_open",
+        "off",
+        "released",
+        "taken_back",
+        "lost",
+    ]
+    assert str.__eq__(LockEventKind.TAKEN_BACK, "taken_back")
+
+
+def kinds(events: list[LockEvent]) -> list[LockEventKind]:
+    return [event.kind for event in events]
+
+
+async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
