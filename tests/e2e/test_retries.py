@@ -1,10 +1,15 @@
 """Retries by taskiq's retry middlewares, before and after the deduplication one.
 
-A retry re-sends the same task_id from inside the worker. It must keep the lock
-(it is the same task, not a duplicate of itself) while every other send of the
-same call is rejected, at any moment between the first attempt and the last.
-When the last attempt ends, successful or not, the lock is gone for good. The
-same holds when ``taskiq scheduler`` sends the retry later, from a schedule source.
+A retry re-sends the same task_id from inside the worker. It is never refused
+as a duplicate of itself and never lost, and it does to the lock what its
+policy says: "finished" (with or without a success TTL) takes the lock over, so
+every other send of the same call is refused at any moment between the first
+attempt and the last; "started" takes the lock while the retry waits in the
+queue (no attempt holds it while it runs); "expired" leaves the window's lock
+exactly as the first send took it. When the last attempt ends the lock is gone,
+except a success TTL after a success and an "expired" window, which nothing
+refreshes. The same holds when ``taskiq scheduler`` sends the retry later, from
+a schedule source.
 """
 
 from __future__ import annotations
