@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,18 @@ MAX_ATTEMPTS = 3
 SHORT_TTL = 3
 #: The ``deduplication_key`` label of ``hold_explicit_key``.
 EXPLICIT_KEY = "e2e-explicit"
+#: ``deduplication_success_ttl`` of the "remembered" tasks.
+SUCCESS_TTL = 3
+#: ``deduplication_ttl`` of the "expired" tasks: their throttle window.
+EXPIRED_TTL = 4
+#: The labels of each lock policy's tasks, by a name of the test's own:
+#: "remembered" is "finished" with a success TTL.
+POLICY_LABELS: dict[str, dict[str, Any]] = {
+    "finished": {},
+    "remembered": {"deduplication_success_ttl": SUCCESS_TTL},
+    "started": {"deduplication_until": "started"},
+    "expired": {"deduplication_until": "expired", "deduplication_ttl": EXPIRED_TTL},
+}
 
 
 @dataclass(frozen=True)
@@ -87,6 +100,9 @@ class Config:
     running_ttl: int | None = None
     retry: str = ""
     schedule: str = ""
+    scheduled_policies: str = "finished"
+    """The policies (of :data:`POLICY_LABELS`), comma-separated, with a scheduled task each."""
+    scheduled_run_seconds: float = SCHEDULED_RUN_SECONDS
 
     def __post_init__(self) -> None:
         """Refuse a setup the app does not know."""
@@ -99,6 +115,10 @@ class Config:
         if self.schedule not in SCHEDULES:
             msg = f"unknown schedule {self.schedule!r}, expected one of {SCHEDULES}"
             raise ValueError(msg)
+        for policy in self.scheduled_policies.split(","):
+            if policy not in POLICY_LABELS:
+                msg = f"unknown policy {policy!r}, expected one of {tuple(POLICY_LABELS)}"
+                raise ValueError(msg)
 
     @property
     def lock_prefix(self) -> str:
@@ -187,8 +207,13 @@ class Tasks:
     """Fails its first ``failures`` runs, each once its gate opens; retried."""
     count: AsyncTaskiqDecoratedTask[..., Any]
     """Counts its run under its argument and returns at once."""
-    scheduled: AsyncTaskiqDecoratedTask[..., Any] | None
-    """Scheduled every second, runs three seconds; ``None`` without a schedule."""
+    hold_by_policy: dict[str, AsyncTaskiqDecoratedTask[..., Any]]
+    """``hold`` with each policy's labels (:data:`POLICY_LABELS`) on the decorator."""
+    flaky_by_policy: dict[str, AsyncTaskiqDecoratedTask[..., Any]]
+    """``flaky`` with each policy's labels on the decorator."""
+    scheduled: dict[str, AsyncTaskiqDecoratedTask[..., Any]]
+    """Scheduled every second, runs three seconds, one per scheduled policy; none
+    without a schedule."""
 
 
 def register_tasks(broker: AsyncBroker, config: Config) -> Tasks:
@@ -218,8 +243,11 @@ def register_tasks(broker: AsyncBroker, config: Config) -> Tasks:
         return n
 
     retry_labels = {"retry_on_error": True, "max_retries": MAX_ATTEMPTS}
+    policies = {name: labels for name, labels in POLICY_LABELS.items() if labels}
+    hold_task = broker.task("e2e.hold")(hold)
+    flaky_task = broker.task("e2e.flaky", **retry_labels)(flaky)
     return Tasks(
-        hold=broker.task("e2e.hold")(hold),
+        hold=hold_task,
         hold_short_ttl=broker.task("e2e.hold_short_ttl", deduplication_ttl=SHORT_TTL)(hold),
         hold_opt_out=broker.task("e2e.hold_opt_out", deduplication=False)(hold),
         hold_key_fields=broker.task("e2e.hold_key_fields", deduplication_key_fields=["user_id"])(
@@ -228,34 +256,60 @@ def register_tasks(broker: AsyncBroker, config: Config) -> Tasks:
         hold_explicit_key=broker.task("e2e.hold_explicit_key", deduplication_key=EXPLICIT_KEY)(
             hold
         ),
-        flaky=broker.task("e2e.flaky", **retry_labels)(flaky),
+        flaky=flaky_task,
         count=broker.task("e2e.count")(count),
+        hold_by_policy={"finished": hold_task}
+        | {
+            name: broker.task(f"e2e.hold.{name}", **labels)(hold)
+            for name, labels in policies.items()
+        },
+        flaky_by_policy={"finished": flaky_task}
+        | {
+            name: broker.task(f"e2e.flaky.{name}", **retry_labels, **labels)(flaky)
+            for name, labels in policies.items()
+        },
         scheduled=_register_scheduled(broker, config, reports),
     )
 
 
-def _register_scheduled(
-    broker: AsyncBroker, config: Config, reports: Reports
-) -> AsyncTaskiqDecoratedTask[..., Any] | None:
-    if not config.schedule:
-        return None
+def scheduled_name(policy: str) -> str:
+    """The tag of the scheduled task of ``policy``, and the name of its counters."""
+    return "scheduled" if policy == "finished" else f"scheduled-{policy}"
+
+
+def _scheduled(config: Config, reports: Reports, name: str) -> Callable[..., Awaitable[None]]:
+    """A scheduled task that counts its runs under ``name``, and the overlaps of two runs."""
 
     async def scheduled(context: Context = TaskiqDepends()) -> None:
         r = reports.redis
-        running = int(await r.incr(config.key("running")))
+        running = int(await r.incr(config.key("running", name)))
         try:
             if running > 1:
-                await r.incr(config.key("overlaps"))
-            await reports.started("scheduled", "scheduled", context)
-            await asyncio.sleep(SCHEDULED_RUN_SECONDS)
+                await r.incr(config.key("overlaps", name))
+            await reports.started("scheduled", name, context)
+            await asyncio.sleep(config.scheduled_run_seconds)
         finally:
-            await r.decr(config.key("running"))
-        await r.incr(config.key("finished"))
+            await r.decr(config.key("running", name))
+        await r.incr(config.key("finished", name))
 
-    schedule: dict[str, Any] = {"interval": 1, "schedule_id": "every-second"}
-    if config.schedule == "fixed-id":
-        schedule["task_id"] = FIXED_TASK_ID
-    return broker.task("e2e.scheduled", schedule=[schedule])(scheduled)
+    return scheduled
+
+
+def _register_scheduled(
+    broker: AsyncBroker, config: Config, reports: Reports
+) -> dict[str, AsyncTaskiqDecoratedTask[..., Any]]:
+    if not config.schedule:
+        return {}
+    tasks = {}
+    for policy in config.scheduled_policies.split(","):
+        scheduled = _scheduled(config, reports, scheduled_name(policy))
+        schedule: dict[str, Any] = {"interval": 1, "schedule_id": f"every-second-{policy}"}
+        if config.schedule == "fixed-id":
+            schedule["task_id"] = FIXED_TASK_ID
+        task_name = "e2e.scheduled" if policy == "finished" else f"e2e.scheduled.{policy}"
+        labels = POLICY_LABELS[policy]
+        tasks[policy] = broker.task(task_name, schedule=[schedule], **labels)(scheduled)
+    return tasks
 
 
 class TaskIdLabelScheduleSource(LabelScheduleSource):
