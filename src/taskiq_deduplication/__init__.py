@@ -6,12 +6,17 @@ on the broker; a ``kiq()`` whose task is already queued or running raises
 """
 
 from taskiq_deduplication.__about__ import __version__
-from taskiq_deduplication.exceptions import DeduplicationError, DuplicateTaskError
+from taskiq_deduplication.calls import JoinedTask, TaskLock, kiq_or_join
+from taskiq_deduplication.exceptions import DeduplicationError, DuplicateTaskError, NoLockError
 from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
 
 __all__ = [
     "DeduplicationError",
     "DuplicateTaskError",
+    "JoinedTask",
+    "NoLockError",
     "RedisDeduplicationMiddleware",
+    "TaskLock",
     "__version__",
+    "kiq_or_join",
 ]
