@@ -8,6 +8,7 @@ takes one can check that its lock is still its own and pass on its fence.
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import typing
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
@@ -34,6 +35,11 @@ __all__ = ["JoinedTask", "TaskLock", "kiq_or_join"]
 
 R = TypeVar("R")
 T = TypeVar("T")
+
+#: Set while kiq_or_join sends: a refusal it will join is no warning.
+joining: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "taskiq_deduplication_joining", default=False
+)
 
 
 class JoinedTask(AsyncTaskiqTask[R], Generic[R]):
@@ -109,12 +115,15 @@ async def kiq_or_join(task: Any, *args: Any, **kwargs: Any) -> JoinedTask[Any]:
     """
     kicker: AsyncKicker[Any, Any] = task if isinstance(task, AsyncKicker) else task.kicker()
     backend = kicker.broker.result_backend
+    token = joining.set(True)
     try:
         sent = await kicker.kiq(*args, **kwargs)
     except DuplicateTaskError as duplicate:
         if duplicate.holder_task_id is None:
             raise
         return JoinedTask(duplicate.holder_task_id, backend, duplicate=duplicate)
+    finally:
+        joining.reset(token)
     return JoinedTask(sent.task_id, backend)
 
 
@@ -138,7 +147,7 @@ class TaskLock:
             [NoLockError][taskiq_deduplication.exceptions.NoLockError].
     """
 
-    def __init__(self, context: Context = TaskiqDepends()) -> None:  # noqa: B008 (taskiq's way)
+    def __init__(self, context: Context = TaskiqDepends()) -> None:
         """Find the lock of the run ``context`` belongs to; taskiq calls this."""
         self._task_name = context.message.task_name
         self._execution = _execution_of(context)

@@ -543,7 +543,13 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 key,
             )
         else:
-            logger.warning(
+            from taskiq_deduplication.calls import joining  # noqa: PLC0415 (a cycle)
+
+            # A caller that joins the holder asked for this: no warning then,
+            # unless its arguments differ from the holder's.
+            quiet = holder_id is not None and joining.get() and same is not False
+            logger.log(
+                logging.INFO if quiet else logging.WARNING,
                 "Task %s (%s) not sent: a duplicate of task %s, which holds lock %r%s",
                 message.task_name,
                 message.task_id,
