@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio
+from redis.exceptions import RedisError
 from taskiq import (
     Context,
     InMemoryBroker,
@@ -27,11 +28,13 @@ from taskiq_deduplication import (
     DuplicateTaskError,
     JoinedTask,
     NoLockError,
+    RedisDeduplicationMiddleware,
     TaskLock,
     kiq_or_join,
 )
 from taskiq_deduplication.calls import takes_task_lock
 from tests._brokers import HoldingBroker
+from tests._server import Server
 from tests.conftest import (
     BrokerFactory,
     MiddlewareFactory,
@@ -41,6 +44,7 @@ from tests.conftest import (
     running_beats,
 )
 from tests.test_policies import _retry_middleware, deliver_one
+from tests.test_redis_trouble import FAST
 
 
 async def scripts_run(client: redis.asyncio.Redis) -> int:
@@ -81,6 +85,26 @@ async def test_join_hands_back_the_winner_whose_result_both_callers_get(
     await broker.deliver()
     for handle in (first, second):
         assert (await handle.wait_result(timeout=5)).return_value == "report 42 first"
+
+
+async def test_a_join_is_no_warning_unless_the_arguments_differ(
+    make_broker: BrokerFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task(deduplication_key_fields=["user_id"])
+    async def build_report(user_id: int, tag: str = "") -> None: ...
+
+    await build_report.kiq(user_id=1)
+    caplog.set_level(logging.DEBUG, logger="taskiq_deduplication")
+    assert (await kiq_or_join(build_report, user_id=1)).joined
+    assert [r.levelno for r in caplog.records if "not sent" in r.getMessage()] == [logging.INFO]
+    caplog.clear()
+    assert (await kiq_or_join(build_report, user_id=1, tag="other")).joined
+    assert [r.levelno for r in caplog.records if "not sent" in r.getMessage()] == [logging.WARNING]
+    caplog.clear()
+    await refusal(lambda: build_report.kiq(user_id=1))  # a plain kiq warns, as before
+    assert [r.levelno for r in caplog.records if "not sent" in r.getMessage()] == [logging.WARNING]
 
 
 async def test_join_of_a_holder_this_library_did_not_write_raises(
@@ -611,3 +635,89 @@ async def test_the_new_labels_are_known_to_the_startup_check(
 
     with pytest.raises(ValueError, match="did you mean 'deduplication_debounce_max'"):
         await broker.startup()
+
+
+# When Redis fails, or another send holds the lock at the start
+
+
+async def test_redis_down_merge_and_fence_tasks_fail_or_fail_open(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    brokers = []
+    for fail_open in (False, True):
+        broker = HoldingBroker().with_middlewares(
+            RedisDeduplicationMiddleware(redis_url=server.url + FAST, fail_open=fail_open)
+        )
+        await broker.startup()
+        brokers.append(broker)
+
+        @broker.task(deduplication_key="m", deduplication_merge="latest")
+        async def merged(n: int) -> None: ...
+
+        @broker.task(deduplication_key="f")
+        async def fenced(lock: TaskLock = TaskiqDepends()) -> bool:
+            return lock.locked
+
+    server.stop()
+    caplog.set_level(logging.WARNING, logger="taskiq_deduplication")
+    strict, lenient = brokers
+    for name in ("merged", "fenced"):
+        task = strict.find_task(f"tests.test_callsite:{name}")
+        assert task is not None
+        with pytest.raises(RedisError):
+            await task.kiq(n=1) if name == "merged" else await task.kiq()
+    fenced_task = lenient.find_task("tests.test_callsite:fenced")
+    assert fenced_task is not None
+    handle = await fenced_task.kiq()  # fail-open: sent without a lock
+    await lenient.deliver()
+    assert (await handle.wait_result(timeout=5)).return_value is False
+    assert "sending it without a lock (fail_open)" in caplog.text
+    for broker in brokers:
+        await broker.shutdown()
+
+
+async def test_a_run_whose_claim_fails_runs_with_the_arguments_it_was_sent_with(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    broker = HoldingBroker().with_middlewares(
+        RedisDeduplicationMiddleware(redis_url=server.url + FAST, default_ttl=30)
+    )
+    await broker.startup()
+    ran: list[int] = []
+
+    @broker.task(deduplication_key="m", deduplication_merge="latest")
+    async def merged(n: int) -> None:
+        ran.append(n)
+
+    await merged.kiq(n=1)
+    await refusal(lambda: merged.kiq(n=2))
+    server.stop()
+    caplog.set_level(logging.WARNING, logger="taskiq_deduplication")
+    await broker.deliver()
+    assert ran == [1]
+    assert "Could not begin the run of task" in caplog.text
+    await broker.shutdown()
+
+
+async def test_a_merged_run_whose_lock_another_send_holds_runs_as_sent_with_a_warning(
+    make_broker: BrokerFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+    ran: list[tuple[int, bool]] = []
+
+    @broker.task(deduplication_key="m", deduplication_merge="latest")
+    async def merged(n: int, lock: TaskLock = TaskiqDepends()) -> None:
+        ran.append((n, await lock.held()))
+
+    await merged.kiq(n=1)
+    await refusal(lambda: merged.kiq(n=2))
+    await redis_client.set(f"{prefix}:m", "other " + "0" * 32, keepttl=True)
+    caplog.set_level(logging.WARNING, logger="taskiq_deduplication")
+    await broker.deliver()
+    # The other holder's merged arguments are left for it: this run has its own.
+    assert ran == [(1, False)]
+    assert "runs although task " + "0" * 32 in caplog.text
+    assert await redis_client.exists(f"{prefix}#merge:m") == 1

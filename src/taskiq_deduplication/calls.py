@@ -36,9 +36,12 @@ __all__ = ["JoinedTask", "TaskLock", "kiq_or_join"]
 R = TypeVar("R")
 T = TypeVar("T")
 
-#: Set while kiq_or_join sends: a refusal it will join is no warning.
-joining: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "taskiq_deduplication_joining", default=False
+#: While kiq_or_join sends: a list that the refusal it will join marks, so that
+#: it is logged as no warning. Spent once the send is over, so that a task the
+#: send started in this process (InMemoryBroker), which inherits the context,
+#: does not count as joining.
+joining: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
+    "taskiq_deduplication_joining", default=None
 )
 
 
@@ -115,7 +118,8 @@ async def kiq_or_join(task: Any, *args: Any, **kwargs: Any) -> JoinedTask[Any]:
     """
     kicker: AsyncKicker[Any, Any] = task if isinstance(task, AsyncKicker) else task.kicker()
     backend = kicker.broker.result_backend
-    token = joining.set(True)
+    marker: list[bool] = []
+    token = joining.set(marker)
     try:
         sent = await kicker.kiq(*args, **kwargs)
     except DuplicateTaskError as duplicate:
@@ -123,6 +127,7 @@ async def kiq_or_join(task: Any, *args: Any, **kwargs: Any) -> JoinedTask[Any]:
             raise
         return JoinedTask(duplicate.holder_task_id, backend, duplicate=duplicate)
     finally:
+        marker.append(True)
         joining.reset(token)
     return JoinedTask(sent.task_id, backend)
 

@@ -547,7 +547,10 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
 
             # A caller that joins the holder asked for this: no warning then,
             # unless its arguments differ from the holder's.
-            quiet = holder_id is not None and joining.get() and same is not False
+            marker = joining.get()
+            quiet = holder_id is not None and marker == [] and same is not False
+            if marker == []:
+                marker.append(True)
             logger.log(
                 logging.INFO if quiet else logging.WARNING,
                 "Task %s (%s) not sent: a duplicate of task %s, which holds lock %r%s",
