@@ -161,11 +161,14 @@ class LockStore:
             )
         except CallTimeoutError as exc:
             if not exc.sent:
-                if len(self._never_sent) >= MAX_QUEUED:  # nobody undid the oldest
-                    del self._never_sent[next(iter(self._never_sent))]
-                self._never_sent[lock.token] = None
+                self._remember_never_sent(lock)
             raise
         return None if reply is None else text(reply)
+
+    def _remember_never_sent(self, lock: Lock) -> None:
+        if len(self._never_sent) >= MAX_QUEUED:  # nobody undid the oldest
+            del self._never_sent[next(iter(self._never_sent))]
+        self._never_sent[lock.token] = None
 
     async def acquire_with(  # noqa: PLR0913 (the script's arguments, each named)
         self,
@@ -206,7 +209,7 @@ class LockStore:
             status, value = await self._pipeline.call(self._acquire_with, keys, args)
         except CallTimeoutError as exc:
             if not exc.sent:
-                self._never_sent[lock.token] = None
+                self._remember_never_sent(lock)
             raise
         if status == 1:
             return Acquired(None, fence=int(value) or None)
