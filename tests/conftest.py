@@ -59,7 +59,8 @@ async def redis_client(redis_url: str, prefix: str) -> AsyncIterator[redis.async
     try:
         yield client
     finally:
-        keys = [key async for key in client.scan_iter(match=f"{prefix}:*")]
+        # The locks, and the keys beside them (merged arguments, the fence counter).
+        keys = [key async for key in client.scan_iter(match=f"{prefix}[:#]*")]
         if keys:
             await client.delete(*keys)
         await client.aclose()

@@ -266,3 +266,23 @@ async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
     while not condition():
         assert loop.time() < deadline, "condition not met in time"
         await asyncio.sleep(0.02)
+
+
+async def test_a_merged_call_is_told_as_merged_with_the_queued_holder(
+    make_middleware: MiddlewareFactory, make_broker: BrokerFactory
+) -> None:
+    middleware = make_middleware()
+    events = record(middleware)
+    broker = await make_broker(middlewares=[middleware], broker_class=HoldingBroker)
+
+    @broker.task(deduplication_key_fields=["user_id"], deduplication_merge="latest")
+    async def sync_profile(user_id: int, fields: list[str]) -> None: ...
+
+    sent = await sync_profile.kiq(user_id=1, fields=["name"])
+    with pytest.raises(DuplicateTaskError) as caught:
+        await sync_profile.kicker().with_task_id("later").kiq(user_id=1, fields=["email"])
+    assert caught.value.merged
+    assert kinds(events) == [LOCKED, LockEventKind.MERGED]
+    assert events[1].task_id == "later"
+    assert events[1].holder_task_id == sent.task_id
+    await broker.deliver()

@@ -59,6 +59,8 @@ class Execution:
     retries: object
     """The retry middlewares' attempt count when the run began."""
     beat: Beat | None = None
+    fence: int | None = None
+    """The lock's fence, for a task that asked for one."""
     owned: bool = True
     """Whether the run holds its lock (no other send took it meanwhile)."""
     ended: bool = False
@@ -116,6 +118,18 @@ class Executions:
             and not execution.ended
             and execution.task is asyncio.current_task()
         ):
+            return execution
+        return None
+
+    def of_run(self, task_id: str) -> Execution | None:
+        """The run of ``task_id`` whose context this is, from any asyncio task in it.
+
+        A task's dependencies (`TaskLock`) are resolved in the run's asyncio
+        task, but its body may run in another (a ``timeout`` label on Python
+        3.10), with a copy of the context.
+        """
+        execution = self._current.get()
+        if execution is not None and execution.lock.task_id == task_id and not execution.ended:
             return execution
         return None
 

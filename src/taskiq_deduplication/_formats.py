@@ -10,6 +10,13 @@ On the message, the sender records the lock it took in labels of its own
 (``_deduplication_lock_*``), which travel as strings like taskiq's ``_retries``;
 the worker reads them back to re-assert, refresh and release that very lock.
 
+Tasks that merge their calls (``deduplication_merge``, ``deduplication_debounce``)
+keep the latest arguments in a hash beside the lock, ``<key_prefix>#merge:<name>``;
+tasks that take a fence draw it from one counter per prefix,
+``<key_prefix>#fence``. Both live outside the locks' namespace
+(``<key_prefix>:``), so no lock name can collide with them, and with a hash tag
+in the prefix they share the locks' slot on a cluster.
+
 The middleware, the heartbeat, the CLI and the test helpers all read and write
 these formats through this module.
 """
@@ -35,13 +42,23 @@ LOCK_TTL_LABEL: Final = "_deduplication_lock_ttl"
 # message of the default policy is no bigger than before policies existed.
 LOCK_UNTIL_LABEL: Final = "_deduplication_lock_until"
 LOCK_SUCCESS_TTL_LABEL: Final = "_deduplication_lock_success_ttl"
+# Written only for the locks that have them: a fence, and merged calls
+# ("<quiet ms> <maximum wait ms>", both 0 for a plain merge).
+LOCK_FENCE_LABEL: Final = "_deduplication_lock_fence"
+LOCK_MERGE_LABEL: Final = "_deduplication_lock_merge"
 LOCK_LABELS: Final = (
     LOCK_KEY_LABEL,
     LOCK_OWNER_LABEL,
     LOCK_TTL_LABEL,
     LOCK_UNTIL_LABEL,
     LOCK_SUCCESS_TTL_LABEL,
+    LOCK_FENCE_LABEL,
+    LOCK_MERGE_LABEL,
 )
+#: Between the key prefix and the name of a key beside the locks (merge, fence).
+SIDE_SEPARATOR: Final = "#"
+# Between the random part of an owner token and the digest of its call's arguments.
+_DIGEST_MARK: Final = "."
 DEFAULT_UNTIL: Final = "finished"
 
 
@@ -65,13 +82,46 @@ def lock_name(prefix: str, key: str) -> str | None:
     return key[len(head) :] if key.startswith(head) and len(key) > len(head) else None
 
 
-def new_token() -> str:
+def merge_key(prefix: str, lock: str) -> str | None:
+    """The key of the merged arguments of lock ``lock``; ``None`` if not under ``prefix``."""
+    name = lock_name(prefix, lock)
+    return None if name is None else f"{prefix}{SIDE_SEPARATOR}merge{KEY_SEPARATOR}{name}"
+
+
+def fence_key(prefix: str) -> str:
+    """The counter that every fence under ``prefix`` is drawn from."""
+    return f"{prefix}{SIDE_SEPARATOR}fence"
+
+
+def new_token(digest: str | None = None) -> str:
     """Make an owner token: unique per send, short, without spaces.
 
     64 random bits in 11 characters. With a 32-character task_id the lock's value
     is then 44 bytes, the most Redis stores inside the key's own allocation.
+
+    A lock under an explicit key or key fields carries ``digest``, a short
+    digest of the call's full arguments (`arguments_digest`), in its token
+    instead of 28 of the random bits: the token stays 11 characters (36 random
+    bits), and a refused call can tell whether its arguments were the holder's.
     """
-    return secrets.token_urlsafe(8)
+    if digest is None:
+        return secrets.token_urlsafe(8)
+    return secrets.token_urlsafe(6)[:6] + _DIGEST_MARK + digest
+
+
+def arguments_digest(fingerprint: str) -> str:
+    """The 4-character digest (24 bits) of a call's full fingerprint, for its token.
+
+    The fingerprint is base64url already: its first 4 characters are 24 bits of it.
+    """
+    return fingerprint[:4]
+
+
+def token_digest(value: str) -> str | None:
+    """The arguments digest in the token of lock value ``value``, if it has one."""
+    token = value.partition(" ")[0]
+    random, mark, digest = token.partition(_DIGEST_MARK)
+    return digest if mark and random and digest else None
 
 
 def lock_value(token: str, task_id: str) -> str:
@@ -97,6 +147,11 @@ class RecordedLock:
     """The name of the lock's policy."""
     success_ttl: int = 0
     """Seconds the lock stays after a successful run."""
+    fence: int | None = None
+    """The fence the lock was taken with, for a task that asks for one."""
+    merge: tuple[int, int] | None = None
+    """For a task that merges its calls: the quiet period and the maximum
+    wait of its debounce, in milliseconds (0 and 0: a plain merge)."""
 
 
 def read_lock_labels(labels: Mapping[str, Any], task_id: str) -> RecordedLock | None:
@@ -127,7 +182,10 @@ def read_lock_labels(labels: Mapping[str, Any], task_id: str) -> RecordedLock | 
     success_ttl = _seconds(labels.get(LOCK_SUCCESS_TTL_LABEL, 0), minimum=0)
     if not isinstance(until, str) or success_ttl is None:
         return None
-    return RecordedLock(key, token, ttl, until, success_ttl)
+    fence = _seconds(labels.get(LOCK_FENCE_LABEL), minimum=1)
+    return RecordedLock(
+        key, token, ttl, until, success_ttl, fence, _merge(labels.get(LOCK_MERGE_LABEL))
+    )
 
 
 def write_lock_labels(labels: dict[str, Any], lock: RecordedLock, task_id: str) -> None:
@@ -143,6 +201,14 @@ def write_lock_labels(labels: dict[str, Any], lock: RecordedLock, task_id: str) 
         labels[LOCK_SUCCESS_TTL_LABEL] = str(lock.success_ttl)
     else:
         labels.pop(LOCK_SUCCESS_TTL_LABEL, None)
+    if lock.fence is not None:
+        labels[LOCK_FENCE_LABEL] = str(lock.fence)
+    else:
+        labels.pop(LOCK_FENCE_LABEL, None)
+    if lock.merge is not None:
+        labels[LOCK_MERGE_LABEL] = f"{lock.merge[0]} {lock.merge[1]}"
+    else:
+        labels.pop(LOCK_MERGE_LABEL, None)
 
 
 def drop_lock_labels(labels: dict[str, Any]) -> None:
@@ -157,3 +223,11 @@ def _seconds(value: object, *, minimum: int) -> int | None:
     if isinstance(value, str) and value.isdigit():
         value = int(value)
     return value if isinstance(value, int) and value >= minimum else None
+
+
+def _merge(value: object) -> tuple[int, int] | None:
+    if not isinstance(value, str):
+        return None
+    quiet, _, longest = value.partition(" ")
+    quiet_ms, longest_ms = _seconds(quiet, minimum=0), _seconds(longest, minimum=0)
+    return None if quiet_ms is None or longest_ms is None else (quiet_ms, longest_ms)

@@ -29,6 +29,9 @@ KEY_FIELDS_LABEL: Final = "deduplication_key_fields"
 RUNNING_TTL_LABEL: Final = "deduplication_running_ttl"
 UNTIL_LABEL: Final = "deduplication_until"
 SUCCESS_TTL_LABEL: Final = "deduplication_success_ttl"
+MERGE_LABEL: Final = "deduplication_merge"
+DEBOUNCE_LABEL: Final = "deduplication_debounce"
+DEBOUNCE_MAX_LABEL: Final = "deduplication_debounce_max"
 #: Every label a user may set; a task label that starts like them but is none
 #: of them is a typo, reported when the broker starts.
 USER_LABELS: Final = (
@@ -39,6 +42,9 @@ USER_LABELS: Final = (
     RUNNING_TTL_LABEL,
     UNTIL_LABEL,
     SUCCESS_TTL_LABEL,
+    MERGE_LABEL,
+    DEBOUNCE_LABEL,
+    DEBOUNCE_MAX_LABEL,
 )
 _USER_LABEL_PREFIX: Final = "deduplication"
 
@@ -78,6 +84,9 @@ class SendOptions:
     policy: Policy = FINISHED
     success_ttl: int = 0
     """Seconds the lock stays after a successful run (0 for the policies without it)."""
+    merge: tuple[int, int] | None = None
+    """For a task whose calls merge while one is queued: the quiet period and
+    the maximum wait of its debounce in milliseconds (0 and 0: no debounce)."""
 
 
 def read_send_options(labels: Mapping[str, Any], defaults: Defaults) -> SendOptions | None:
@@ -125,6 +134,7 @@ def read_send_options(labels: Mapping[str, Any], defaults: Defaults) -> SendOpti
             raise InvalidSettingError(msg)
     return SendOptions(
         ttl=defaults.ttl if ttl is None else _parse(_parse_ttl, TTL_LABEL, ttl),
+        merge=_read_merge(labels),
         key=None if key is None else _parse(_parse_key, KEY_LABEL, key),
         key_fields=None if fields is None else _parse(_parse_key_fields, KEY_FIELDS_LABEL, fields),
         running_ttl=(
@@ -133,6 +143,31 @@ def read_send_options(labels: Mapping[str, Any], defaults: Defaults) -> SendOpti
         policy=policy,
         success_ttl=remembered,
     )
+
+
+def _read_merge(labels: Mapping[str, Any]) -> tuple[int, int] | None:
+    merge = labels.get(MERGE_LABEL)
+    quiet = labels.get(DEBOUNCE_LABEL)
+    longest = labels.get(DEBOUNCE_MAX_LABEL)
+    merging = merge is not None and _parse(_parse_merge, MERGE_LABEL, merge)
+    if quiet is None:
+        if longest is not None:
+            msg = f"label {DEBOUNCE_MAX_LABEL!r} needs {DEBOUNCE_LABEL!r}, the quiet period"
+            raise InvalidSettingError(msg)
+        return (0, 0) if merging else None
+    if merge is not None and not merging:
+        msg = f"label {DEBOUNCE_LABEL!r} merges the calls it waits for: it needs {MERGE_LABEL!r}"
+        msg += " to be 'latest' or absent"
+        raise InvalidSettingError(msg)
+    quiet_ms = _parse(_parse_period, DEBOUNCE_LABEL, quiet)
+    longest_ms = 0 if longest is None else _parse(_parse_period, DEBOUNCE_MAX_LABEL, longest)
+    if longest_ms and longest_ms < quiet_ms:
+        msg = (
+            f"label {DEBOUNCE_MAX_LABEL!r} ({longest_ms / 1000:g}s) must not be shorter "
+            f"than {DEBOUNCE_LABEL!r} ({quiet_ms / 1000:g}s)"
+        )
+        raise InvalidSettingError(msg)
+    return quiet_ms, longest_ms
 
 
 def check_task_labels(tasks: Iterable[tuple[str, Mapping[str, Any]]], defaults: Defaults) -> None:
@@ -277,3 +312,32 @@ def _parse_success_ttl(value: object) -> int:
         msg = f"the success TTL must be from 0 to {MAX_TTL} seconds (ten years)"
         raise ValueError(msg)
     return value
+
+
+@functools.lru_cache(maxsize=64, typed=True)
+def _parse_merge(value: object) -> bool:
+    name = value.strip().lower() if isinstance(value, str) else value
+    if name == "latest":
+        return True
+    if name in {"off", "none", "false"} or name is False:
+        return False
+    msg = "expected 'latest' (or 'off')"
+    raise ValueError(msg)
+
+
+@functools.lru_cache(maxsize=256, typed=True)
+def _parse_period(value: object) -> int:
+    """Seconds (a whole or decimal number, above 0) as milliseconds."""
+    if isinstance(value, bool):
+        msg = "expected a number of seconds, not a boolean"
+        raise ValueError(msg)
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            msg = "expected a number of seconds"
+            raise ValueError(msg) from None
+    if not isinstance(value, (int, float)) or not 0 < value <= MAX_TTL:
+        msg = f"expected a number of seconds above 0, at most {MAX_TTL} (ten years)"
+        raise ValueError(msg)
+    return max(round(value * 1000), 1)

@@ -64,6 +64,32 @@ class Lock:
         object.__setattr__(self, "value", lock_value(self.token, self.task_id))
 
 
+@dataclass(frozen=True, slots=True)
+class Acquired:
+    """What `LockStore.acquire_with` found."""
+
+    holder: str | None
+    """``None`` when the lock is now this send's, else the holder's value."""
+    fence: int | None = None
+    """The fence drawn for this send, if it asked for one and took the lock."""
+    merged: bool = False
+    """Whether the call's arguments replaced those of the queued holder."""
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """What `LockStore.claim` found at the start of a run."""
+
+    wait_ms: int = 0
+    """Above 0: the debounce is not over; claim again after this many ms."""
+    outcome: int | str = 1
+    """`Reasserted.REFRESHED`, `Reasserted.TAKEN_BACK`, or another holder's value."""
+    fence: int | None = None
+    """A new fence, drawn when the lock was taken back."""
+    arguments: bytes | None = None
+    """The latest merged arguments, serialised, if there were any to claim."""
+
+
 class Reasserted:
     """Outcomes of a re-assert, besides the holder's value when someone else has it."""
 
@@ -92,9 +118,21 @@ class LockStore:
         self._extend = _load_script(client, "extend")
         self._release = _load_script(client, "release")
         self._reassert = _load_script(client, "reassert")
+        # For the tasks that merge calls or take a fence, and TaskLock.held().
+        self._acquire_with = _load_script(client, "acquire_with")
+        self._claim = _load_script(client, "claim")
+        self._held = _load_script(client, "held")
         self._pipeline = Pipeline(
             client,
-            (self._acquire, self._extend, self._release, self._reassert),
+            (
+                self._acquire,
+                self._extend,
+                self._release,
+                self._reassert,
+                self._acquire_with,
+                self._claim,
+                self._held,
+            ),
             timeout=call_timeout(client),
             detached_timeout=_DETACHED_TIMEOUT,
             round_trip=round_trip,
@@ -127,11 +165,105 @@ class LockStore:
             )
         except CallTimeoutError as exc:
             if not exc.sent:
-                if len(self._never_sent) >= MAX_QUEUED:  # nobody undid the oldest
-                    del self._never_sent[next(iter(self._never_sent))]
-                self._never_sent[lock.token] = None
+                self._remember_never_sent(lock)
             raise
         return None if reply is None else text(reply)
+
+    def _remember_never_sent(self, lock: Lock) -> None:
+        if len(self._never_sent) >= MAX_QUEUED:  # nobody undid the oldest
+            del self._never_sent[next(iter(self._never_sent))]
+        self._never_sent[lock.token] = None
+
+    async def acquire_with(  # noqa: PLR0913 (the script's arguments, each named)
+        self,
+        lock: Lock,
+        ttl_ms: int,
+        *,
+        replaces: str = "",
+        merge_key: str | None = None,
+        arguments: bytes = b"",
+        fence_key: str | None = None,
+    ) -> Acquired:
+        """Take ``lock`` as `acquire` does, for a task that merges calls or takes a fence.
+
+        Args:
+            lock: The lock to take.
+            ttl_ms: Its TTL for now (the grace TTL of a send in flight).
+            replaces: The value of a lock this one may take over, or ``""``.
+            merge_key: Where the latest arguments are kept, for a task that merges.
+            arguments: The call's serialised arguments, for a task that merges.
+            fence_key: The counter to draw a fence from, for a task that takes one.
+        """
+        keys = [lock.key]
+        if merge_key is not None:
+            keys.append(merge_key)
+        if fence_key is not None:
+            keys.append(fence_key)
+        args: list[str | int] = [
+            lock.token,
+            lock.task_id,
+            ttl_ms,
+            replaces,
+            arguments.decode() if merge_key is not None else "",
+            int(fence_key is not None),
+            lock.ttl_ms,
+            int(bool(replaces)),
+        ]
+        try:
+            status, value = await self._pipeline.call(self._acquire_with, keys, args)
+        except CallTimeoutError as exc:
+            if not exc.sent:
+                self._remember_never_sent(lock)
+            raise
+        if status == 1:
+            return Acquired(None, fence=int(value) or None)
+        return Acquired(text(value), merged=status == 2)  # noqa: PLR2004 (the script's reply)
+
+    async def claim(
+        self,
+        lock: Lock,
+        *,
+        step: str,
+        merge_key: str | None,
+        debounce: tuple[int, int] = (0, 0),
+        fence_key: str | None = None,
+    ) -> Claimed:
+        """Begin the run of ``lock``'s task: wait out a debounce, claim merged arguments.
+
+        Args:
+            lock: The lock, with the TTL it keeps while its task runs.
+            step: ``"reassert"``, ``"release"`` or ``"nothing"``: what the
+                policy does at the start, once the run may begin.
+            merge_key: Where the latest arguments are, for a task that merges.
+            debounce: The quiet period and the maximum wait, in milliseconds.
+            fence_key: The fence counter, for a lock that has a fence.
+        """
+        keys = [lock.key]
+        if merge_key is not None:
+            keys.append(merge_key)
+        if fence_key is not None:
+            keys.append(fence_key)
+        args: list[str | int] = [
+            lock.value,
+            lock.ttl_ms,
+            *debounce,
+            step,
+            int(merge_key is not None),
+            int(fence_key is not None),
+        ]
+        reply = await self._pipeline.call(self._claim, keys, args)
+        if reply[0] == 0:
+            return Claimed(wait_ms=max(int(reply[1]), 1))
+        outcome, fence, arguments = reply
+        return Claimed(
+            outcome=outcome if isinstance(outcome, int) else text(outcome),
+            fence=int(fence) or None,
+            arguments=(arguments.encode() if isinstance(arguments, str) else arguments) or None,
+        )
+
+    async def held(self, lock: Lock) -> bool:
+        """Whether ``lock`` is still held by its owner: one round trip."""
+        return bool(await self._pipeline.call(self._held, [lock.key], [lock.value]))
 
     async def extend_detached(self, lock: Lock) -> None:
         """Give ``lock`` its full TTL if still owned, without waiting for the reply.

@@ -50,8 +50,9 @@ class LockEventKind(str, enum.Enum):
     """The send was refused: ``kiq`` raises ``DuplicateTaskError``. ``holder_task_id``
     names the task that holds the lock."""
     MERGED = "merged"
-    """Reserved for a later release (a call that joins the task holding its lock
-    instead of being refused); never emitted yet."""
+    """The send was not made: with ``deduplication_merge="latest"`` its arguments
+    replaced those of the queued task that holds the lock, named by
+    ``holder_task_id``; ``kiq`` raises ``DuplicateTaskError`` with ``merged=True``."""
     FAIL_OPEN = "fail_open"
     """Redis failed while taking the lock and ``fail_open`` let the send go out
     without one; ``error`` is what Redis raised."""

@@ -27,28 +27,55 @@ class DuplicateTaskError(DeduplicationError):
         holder_task_id (str | None): ``task_id`` of the task holding the lock, or
             ``None`` if the lock's value was not written by this library and
             names no task.
+        merged (bool): Whether the call's arguments replaced those of the
+            holder, which was still queued (``deduplication_merge="latest"``
+            or a debounce): the call will run, as the holder.
+        same_arguments (bool | None): Whether the call's full arguments equal
+            those the holder was sent with. Always ``True`` for a lock keyed
+            on the call's fingerprint; for a lock under an explicit key or key
+            fields, ``None`` when it cannot be told (a holder sent by an older
+            version, or arguments that cannot be fingerprinted).
     """
 
     task_name: str
     key: str
     holder_task_id: str | None
+    merged: bool
+    same_arguments: bool | None
 
-    def __init__(self, task_name: str, key: str, holder_task_id: str | None) -> None:
+    def __init__(
+        self,
+        task_name: str,
+        key: str,
+        holder_task_id: str | None,
+        *,
+        merged: bool = False,
+        same_arguments: bool | None = None,
+    ) -> None:
         """Record which task was rejected and who holds its lock.
 
         Args:
             task_name: Name of the task that was rejected.
             key: Redis key of the lock.
             holder_task_id: ``task_id`` of the current holder, if known.
+            merged: Whether the call was merged into the queued holder.
+            same_arguments: Whether the call's arguments equal the holder's, if known.
         """
         super().__init__(task_name, key, holder_task_id)
         self.task_name = task_name
         self.key = key
         self.holder_task_id = holder_task_id
+        self.merged = merged
+        self.same_arguments = same_arguments
 
     def __str__(self) -> str:
         """Say which task was rejected, and why."""
         holder = "an unknown task" if self.holder_task_id is None else repr(self.holder_task_id)
+        if self.merged:
+            return (
+                f"task {self.task_name!r} was merged into {holder}, which is queued with "
+                f"lock {self.key!r} and will run with this call's arguments"
+            )
         return f"task {self.task_name!r} is a duplicate: its lock {self.key!r} is held by {holder}"
 
 
@@ -58,3 +85,12 @@ class InvalidSettingError(DeduplicationError, ValueError):
 
 class StartupError(DeduplicationError, ConnectionError):
     """The middleware could not reach Redis when the broker started."""
+
+
+class NoLockError(DeduplicationError, LookupError):
+    """A task asked its `TaskLock` for a lock it does not have.
+
+    It runs without one: deduplication is off for it, it was sent fail-open or
+    by a sender without this middleware, or the fence it asks for was not drawn
+    (its sender did not know the task takes a ``TaskLock``).
+    """

@@ -16,11 +16,13 @@ the options, `_fingerprint.py` and `_formats.py` make the key and the value,
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextvars
 import enum
 import logging
 from typing import TYPE_CHECKING, Any, Final
 
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from taskiq import TaskiqMessage, TaskiqMiddleware, TaskiqResult
 
@@ -33,27 +35,34 @@ from taskiq_deduplication._execution import Execution, Executions, Resent
 from taskiq_deduplication._fingerprint import call_fingerprint, fields_fingerprint
 from taskiq_deduplication._formats import (
     RecordedLock,
+    arguments_digest,
     drop_lock_labels,
+    fence_key,
     holder_task_id,
     lock_key,
+    merge_key,
     new_token,
     read_lock_labels,
+    token_digest,
     write_lock_labels,
 )
 from taskiq_deduplication._heartbeat import Beat
-from taskiq_deduplication._lock import REDIS_ERRORS, Lock, Reasserted
+from taskiq_deduplication._lock import REDIS_ERRORS, Acquired, Claimed, Lock, Reasserted
 from taskiq_deduplication._loops import LoopStates
 from taskiq_deduplication._metrics import Metrics, process_metrics
 from taskiq_deduplication._policies import FINISHED, POLICIES, RetrySend, Step
 from taskiq_deduplication.events import EventSink, LockEventKind, Subscriber
-from taskiq_deduplication.exceptions import DuplicateTaskError, StartupError
+from taskiq_deduplication.exceptions import (
+    DuplicateTaskError,
+    InvalidSettingError,
+    StartupError,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from pydantic import RedisDsn
     from redis.asyncio import Redis
-    from redis.asyncio.cluster import RedisCluster
     from taskiq.abc.broker import AsyncBroker
 
     RedisClient = Redis | RedisCluster
@@ -71,6 +80,8 @@ class _FailedOpen(enum.Enum):
 
 
 _VERBS: Final = {Step.REASSERT: "re-assert", Step.REMEMBER: "release", Step.RELEASE: "release"}
+# What claim.lua does at the start of a run, for each policy's step.
+_CLAIM_STEPS: Final = {Step.REASSERT: "reassert", Step.RELEASE: "release"}
 
 #: What an acquire gives when Redis failed and ``fail_open`` lets the send go.
 _FAILED_OPEN: Final = _FailedOpen.FAILED_OPEN
@@ -193,6 +204,8 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         self._kept: contextvars.ContextVar[str | None] = contextvars.ContextVar(
             f"taskiq_deduplication_kept_{id(self):x}", default=None
         )
+        # Whether each task (by name) takes a TaskLock, so that its sends draw a fence.
+        self._fenced: dict[str, bool] = {}
 
     def subscribe(self, subscriber: Subscriber) -> Callable[[], None]:
         """Call ``subscriber`` with every [LockEvent][taskiq_deduplication.LockEvent] from now on.
@@ -310,15 +323,18 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         earlier = running.lock if running is not None else self._lock_of(message)
         policy = send.policy
         if earlier is not None and policy.retry is RetrySend.KEEP:
-            self._kept.set(earlier.value)
-            if running is not None:
-                running.resent = Resent.WITH_THE_LOCK
-            self._record(message, earlier.key, earlier.token, send)
-            self._outcome(LockEventKind.LOCKED, message, earlier.key, message.task_id)
-            return message
+            return self._keep(message, earlier, running, send)
         key = earlier.key if earlier is not None else self._lock_key(message, send)
-        lock = Lock(key, new_token(), message.task_id, send.ttl * 1000)
-        holder = await self._acquire(lock, min(GRACE_TTL, send.ttl) * 1000, earlier, message)
+        digest = self._arguments_digest(message, send)
+        lock = Lock(key, new_token(digest), message.task_id, send.ttl * 1000)
+        grace_ms = min(GRACE_TTL, send.ttl) * 1000
+        acquired: Acquired | None = None
+        if send.merge is None and not self._wants_fence(message.task_name):
+            holder = await self._acquire(lock, grace_ms, earlier, message)
+        else:
+            reply = await self._acquire_with(lock, grace_ms, earlier, message, send)
+            holder = reply if reply is _FAILED_OPEN else reply.holder
+            acquired = None if reply is _FAILED_OPEN else reply
         if holder is _FAILED_OPEN:
             return self._without_lock(message, running)
         if holder is not None:
@@ -334,17 +350,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 )
                 self._outcome(LockEventKind.OFF, message, key, holder_id)
                 return self._without_lock(message, running)
-            # A caller that handles the refusal (the scheduler) logs it itself.
-            log = logger.debug if _refusals.HANDLED.get() else logger.warning
-            log(
-                "Task %s (%s) not sent: a duplicate of task %s, which holds lock %r",
-                message.task_name,
-                message.task_id,
-                holder_id,
-                key,
-            )
-            self._outcome(LockEventKind.DUPLICATE, message, key, holder_id)
-            raise DuplicateTaskError(message.task_name, key, holder_id)
+            raise self._refusal(message, key, holder, digest=digest, send=send, acquired=acquired)
         if earlier is not None:
             logger.debug(
                 "Retry of task %s (%s) took over lock %r", message.task_name, message.task_id, key
@@ -352,9 +358,25 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         if running is not None:
             running.resent = Resent.WITH_THE_LOCK
             running.stop_heartbeat()
-        self._record(message, key, lock.token, send)
+        self._record(message, key, lock.token, send, acquired.fence if acquired else None)
         if self._events.active:  # inline: the one point every accepted send passes
             self._outcome(LockEventKind.LOCKED, message, key, message.task_id)
+        return message
+
+    def _keep(
+        self,
+        message: TaskiqMessage,
+        earlier: Lock,
+        running: Execution | None,
+        send: labels.SendOptions,
+    ) -> TaskiqMessage:
+        """Send a retry with the lock of the attempt it continues, as that lock is."""
+        self._kept.set(earlier.value)  # this kiq's post_send leaves its TTL alone
+        if running is not None:
+            running.resent = Resent.WITH_THE_LOCK
+        fence = running.fence if running is not None else self._recorded_fence(message)
+        self._record(message, earlier.key, earlier.token, send, fence)
+        self._outcome(LockEventKind.LOCKED, message, earlier.key, message.task_id)
         return message
 
     async def post_send(self, message: TaskiqMessage) -> None:
@@ -398,8 +420,11 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             state,
             *Executions.counts(message),
         )
+        execution.fence = recorded.fence
         self._executions.begin(execution)
-        if policy.at_start is Step.REASSERT:
+        if recorded.merge is not None or recorded.fence is not None:
+            await self._claim(execution, recorded, message)
+        elif policy.at_start is Step.REASSERT:
             await self._reassert(execution, message)
         else:
             await self._apply(policy.at_start, execution, message)
@@ -525,19 +550,20 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 exc,
             )
             return
+        self._started(execution, message, reply)
+
+    def _started(self, execution: Execution, message: TaskiqMessage, reply: int | str) -> None:
+        """Say what a run found of its lock as it began: taken back, or held by another."""
+        key = execution.lock.key
         if reply == Reasserted.TAKEN_BACK:
             logger.warning(
                 "Lock %r of task %s (%s) had expired while the task was queued; taken back",
-                lock.key,
+                key,
                 message.task_name,
                 message.task_id,
             )
             self._events.emit(
-                LockEventKind.TAKEN_BACK,
-                message.task_name,
-                message.task_id,
-                lock.key,
-                message.task_id,
+                LockEventKind.TAKEN_BACK, message.task_name, message.task_id, key, message.task_id
             )
         elif isinstance(reply, str):
             holder = holder_task_id(reply)
@@ -546,11 +572,9 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 message.task_name,
                 message.task_id,
                 holder,
-                lock.key,
+                key,
             )
-            self._events.emit(
-                LockEventKind.LOST, message.task_name, message.task_id, lock.key, holder
-            )
+            self._events.emit(LockEventKind.LOST, message.task_name, message.task_id, key, holder)
             execution.owned = False
 
     def _outcome(
@@ -576,6 +600,199 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         if tracing.is_traced(broker):
             self._events.trace_sends(tracing.annotate_send)
 
+    # Merged calls, debounce, fences and the arguments' digest
+
+    def _refusal(  # noqa: PLR0913 (what the refusal says, each named)
+        self,
+        message: TaskiqMessage,
+        key: str,
+        holder: str,
+        *,
+        digest: str | None,
+        send: labels.SendOptions,
+        acquired: Acquired | None,
+    ) -> DuplicateTaskError:
+        """The error for a call refused (or merged) because ``holder`` holds its lock."""
+        holder_id = holder_task_id(holder)
+        same = self._same_arguments(holder, digest, send)
+        merged = acquired is not None and acquired.merged
+        if merged:
+            logger.info(
+                "Task %s (%s) not sent: its arguments replaced those of task %s, "
+                "queued with lock %r",
+                message.task_name,
+                message.task_id,
+                holder_id,
+                key,
+            )
+            self._outcome(LockEventKind.MERGED, message, key, holder_id)
+        else:
+            from taskiq_deduplication.calls import joining  # noqa: PLC0415 (a cycle)
+
+            # A caller that joins the holder asked for this: no warning then,
+            # unless its arguments differ from the holder's.
+            marker = joining.get()
+            quiet = holder_id is not None and marker == [] and same is not False
+            if marker == []:
+                marker.append(True)
+            if _refusals.HANDLED.get():  # a caller that logs the refusal itself
+                level = logging.DEBUG
+            else:
+                level = logging.INFO if quiet else logging.WARNING
+            logger.log(
+                level,
+                "Task %s (%s) not sent: a duplicate of task %s, which holds lock %r%s",
+                message.task_name,
+                message.task_id,
+                holder_id,
+                key,
+                " with other arguments" if same is False else "",
+            )
+            self._outcome(LockEventKind.DUPLICATE, message, key, holder_id)
+        return DuplicateTaskError(
+            message.task_name, key, holder_id, merged=merged, same_arguments=same
+        )
+
+    async def _acquire_with(
+        self,
+        lock: Lock,
+        grace_ms: int,
+        earlier: Lock | None,
+        message: TaskiqMessage,
+        send: labels.SendOptions,
+    ) -> Acquired | _FailedOpen:
+        """`_acquire` for a task that merges its calls or takes a fence."""
+        state = self._states.get() or await self._states.current()
+        merging = send.merge is not None and merge_key(self.key_prefix, lock.key) is not None
+        if isinstance(state.client, RedisCluster) and "{" not in self.key_prefix:
+            msg = (
+                f"task {message.task_name!r} merges its calls or takes a fence: on Redis "
+                "Cluster that needs a key_prefix with a hash tag, such as '{dedup}', so "
+                "that its lock and the keys beside it share a slot"
+            )
+            raise InvalidSettingError(msg)
+        try:
+            return await state.locks.acquire_with(
+                lock,
+                grace_ms,
+                replaces=earlier.value if earlier is not None else "",
+                merge_key=merge_key(self.key_prefix, lock.key) if merging else None,
+                arguments=self._serialise_arguments(message) if merging else b"",
+                fence_key=(
+                    fence_key(self.key_prefix) if self._wants_fence(message.task_name) else None
+                ),
+            )
+        except REDIS_ERRORS as exc:
+            if isinstance(exc, (RedisTimeoutError, asyncio.TimeoutError)):
+                state.locks.release_detached(lock)
+            if not self.fail_open:
+                raise
+            logger.warning(
+                "Could not take deduplication lock %r for task %s (%s): %s: %s; "
+                "sending it without a lock (fail_open)",
+                lock.key,
+                message.task_name,
+                message.task_id,
+                type(exc).__name__,
+                exc,
+            )
+            return _FAILED_OPEN
+        except asyncio.CancelledError:
+            state.locks.release_detached(lock)
+            raise
+
+    async def _claim(
+        self, execution: Execution, recorded: RecordedLock, message: TaskiqMessage
+    ) -> None:
+        """Begin a run that merges calls or has a fence: wait out its debounce, claim.
+
+        The claim replaces the policy's step at the start (one round trip, as
+        that step is); a debounce adds one per wake-up while it waits.
+        """
+        lease = execution.lease
+        step = _CLAIM_STEPS.get(execution.policy.at_start, "nothing")
+        merging = recorded.merge is not None
+        keys = {
+            "merge_key": merge_key(self.key_prefix, lease.key) if merging else None,
+            "fence_key": fence_key(self.key_prefix) if recorded.fence is not None else None,
+        }
+        locks = execution.state.locks
+        while True:
+            try:
+                claimed: Claimed = await locks.claim(
+                    lease, step=step, debounce=recorded.merge or (0, 0), **keys
+                )
+            except REDIS_ERRORS as exc:
+                logger.warning(
+                    "Could not begin the run of task %s (%s) with lock %r: %s: %s; it runs "
+                    "with the arguments it was sent with",
+                    message.task_name,
+                    message.task_id,
+                    lease.key,
+                    type(exc).__name__,
+                    exc,
+                )
+                return
+            if not claimed.wait_ms:
+                break
+            # Debounce: the lock was kept for one lease; look again before it ends.
+            await asyncio.sleep(min(claimed.wait_ms, lease.ttl_ms // 3) / 1000)
+        if claimed.fence is not None:
+            execution.fence = claimed.fence
+        self._started(execution, message, claimed.outcome)
+        if claimed.arguments is not None:
+            latest = self.broker.formatter.loads(base64.b64decode(claimed.arguments))
+            message.args, message.kwargs = latest.args, latest.kwargs
+
+    def _serialise_arguments(self, message: TaskiqMessage) -> bytes:
+        """The call's arguments as the broker sends them (its formatter and serializer)."""
+        call = TaskiqMessage(
+            task_id="", task_name="", labels={}, args=message.args, kwargs=message.kwargs
+        )
+        # base64: any serializer's bytes survive a client that decodes replies.
+        return base64.b64encode(self.broker.formatter.dumps(call).message)
+
+    def _wants_fence(self, task_name: str) -> bool:
+        """Whether the task takes a `TaskLock`, looked up once per task name."""
+        wants = self._fenced.get(task_name)
+        if wants is None:
+            from taskiq_deduplication.calls import takes_task_lock  # noqa: PLC0415 (a cycle)
+
+            broker = getattr(self, "broker", None)
+            task = broker.find_task(task_name) if broker is not None else None
+            wants = task is not None and takes_task_lock(task.original_func)
+            self._fenced[task_name] = wants
+        return wants
+
+    @staticmethod
+    def _recorded_fence(message: TaskiqMessage) -> int | None:
+        recorded = read_lock_labels(message.labels, message.task_id)
+        return None if recorded is None else recorded.fence
+
+    @staticmethod
+    def _arguments_digest(message: TaskiqMessage, send: labels.SendOptions) -> str | None:
+        """The digest of the call's full arguments, for a lock under a key or key fields."""
+        if send.key is None and send.key_fields is None:
+            return None  # the lock's key is the full arguments' fingerprint already
+        try:
+            fingerprint = call_fingerprint(message.task_name, message.args, message.kwargs)
+        except (TypeError, ValueError):
+            return None
+        return arguments_digest(fingerprint)
+
+    @staticmethod
+    def _same_arguments(holder: str, digest: str | None, send: labels.SendOptions) -> bool | None:
+        """Whether a refused call's arguments equal the holder's, when that can be known."""
+        if send.key is None and send.key_fields is None:
+            return True
+        theirs = token_digest(holder)
+        return None if digest is None or theirs is None else theirs == digest
+
+    # The run's lock, as a task sees it (TaskLock)
+
+    def _run_of(self, task_id: str) -> Execution | None:
+        return self._executions.of_run(task_id)
+
     def _without_lock(self, message: TaskiqMessage, running: Execution | None) -> TaskiqMessage:
         """Let ``message`` go out without a lock (fail-open, or a retry that found none)."""
         if running is not None:
@@ -584,9 +801,18 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         drop_lock_labels(message.labels)
         return message
 
-    @staticmethod
-    def _record(message: TaskiqMessage, key: str, token: str, send: labels.SendOptions) -> None:
-        recorded = RecordedLock(key, token, send.ttl, send.policy.name, send.success_ttl)
+    def _record(
+        self,
+        message: TaskiqMessage,
+        key: str,
+        token: str,
+        send: labels.SendOptions,
+        fence: int | None = None,
+    ) -> None:
+        merge = send.merge if merge_key(self.key_prefix, key) is not None else None
+        recorded = RecordedLock(
+            key, token, send.ttl, send.policy.name, send.success_ttl, fence, merge
+        )
         write_lock_labels(message.labels, recorded, message.task_id)
 
     def _lock_key(self, message: TaskiqMessage, send: labels.SendOptions) -> str:

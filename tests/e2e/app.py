@@ -44,7 +44,7 @@ from taskiq_redis import (
     RedisStreamBroker,
 )
 
-from taskiq_deduplication import RedisDeduplicationMiddleware
+from taskiq_deduplication import RedisDeduplicationMiddleware, TaskLock
 
 CONFIG_ENV = "DEDUP_E2E_CONFIG"
 
@@ -360,6 +360,7 @@ def build_broker(config: Config) -> tuple[AsyncBroker, Tasks]:
             retry = SimpleRetryMiddleware(default_retry_count=MAX_ATTEMPTS)
         middlewares = [dedup, retry] if position == "first" else [retry, dedup]
     broker.with_middlewares(*middlewares)
+    register_callsite_tasks(broker, config)
     return broker, register_tasks(broker, config)
 
 
@@ -415,3 +416,76 @@ def scheduler() -> TaskiqScheduler:
     if config.retry.startswith("smart-source"):
         sources.append(_retry_source(config))
     return TaskiqScheduler(broker, sources)
+
+
+# The call-site tasks (tests/e2e/test_callsite.py): join, merge, debounce, fence.
+# Each fails its first attempt when called with fail_first=True, so that a
+# retry middleware retries it.
+
+#: The debounce of ``e2e.cs.reindex``: quiet period and maximum wait, in seconds.
+DEBOUNCE_QUIET = 1.0
+DEBOUNCE_MAX = 3.0
+
+
+def register_callsite_tasks(broker: AsyncBroker, config: Config) -> None:
+    """Register the call-site tasks on ``broker`` (find them by name)."""
+    reports = Reports(config)
+    retry_labels = {"retry_on_error": True, "max_retries": MAX_ATTEMPTS}
+
+    def fail(context: Context, fail_first: bool) -> None:
+        if fail_first and int(context.message.labels.get("_retries", 0)) == 0:
+            msg = "the first attempt fails on purpose"
+            raise RuntimeError(msg)
+
+    async def report(
+        user_id: int, tag: str, fail_first: bool = False, context: Context = TaskiqDepends()
+    ) -> dict[str, Any]:
+        run = await reports.started("report", tag, context)
+        await reports.pass_gate(tag)
+        fail(context, fail_first)
+        return {"user_id": user_id, "tag": tag, "run": run}
+
+    async def sync(
+        user_id: int, version: int, fail_first: bool = False, context: Context = TaskiqDepends()
+    ) -> int:
+        await reports.started("sync", f"user-{user_id}", context)
+        await reports.redis.rpush(config.key("versions", user_id), version)
+        fail(context, fail_first)
+        return version
+
+    async def reindex(
+        doc_id: str, revision: int, fail_first: bool = False, context: Context = TaskiqDepends()
+    ) -> int:
+        await reports.started("reindex", doc_id, context)
+        await reports.redis.rpush(config.key("revisions", doc_id), revision)
+        fail(context, fail_first)
+        return revision
+
+    async def fenced(
+        tag: str,
+        fail_first: bool = False,
+        context: Context = TaskiqDepends(),
+        lock: TaskLock = TaskiqDepends(),
+    ) -> None:
+        run = await reports.started("fenced", tag, context)
+        seen = {"run": run, "fence": lock.fence, "before": await lock.held()}
+        await reports.pass_gate(tag)
+        seen["after"] = await lock.held()
+        await reports.redis.rpush(config.key("fences", tag), json.dumps(seen))
+        fail(context, fail_first)
+
+    broker.task("e2e.cs.report", deduplication_key_fields=["user_id"], **retry_labels)(report)
+    broker.task(
+        "e2e.cs.sync",
+        deduplication_key_fields=["user_id"],
+        deduplication_merge="latest",
+        **retry_labels,
+    )(sync)
+    broker.task(
+        "e2e.cs.reindex",
+        deduplication_key_fields=["doc_id"],
+        deduplication_debounce=DEBOUNCE_QUIET,
+        deduplication_debounce_max=DEBOUNCE_MAX,
+        **retry_labels,
+    )(reindex)
+    broker.task("e2e.cs.fenced", deduplication_key_fields=["tag"], **retry_labels)(fenced)

@@ -1,0 +1,56 @@
+-- Take a deduplication lock for a task that merges its calls or takes a fence,
+-- or merge this call into the queued holder, or report who holds it: one step.
+-- (Tasks with neither use acquire.lua, whose reply and cost are unchanged.)
+--
+-- KEYS[1]      the lock key
+-- KEYS[2]      the merge key (the latest arguments), when ARGV[5] is not ""
+-- KEYS[#KEYS]  the fence counter, when ARGV[6] is "1"
+-- ARGV[1]      owner token of this send (no spaces)
+-- ARGV[2]      task_id of this send
+-- ARGV[3]      TTL of the lock in milliseconds (the grace TTL of a send)
+-- ARGV[4]      the value of a lock this send may take over (a retry), or ""
+-- ARGV[5]      the call's arguments, serialised, for a task that merges; or ""
+-- ARGV[6]      "1" to draw a fence for this send, else "0"
+-- ARGV[7]      TTL of the merge key in milliseconds (the lock's full TTL)
+-- ARGV[8]      "1" when this send is a retry: it runs as soon as it is delivered,
+--              and never merges into another send's arguments
+--
+-- The merge key is a hash: args (the latest arguments), first and last (the
+-- server's time in ms of the first and the latest call; first is 0 for a
+-- retry). It exists from the send until a worker claims it at the start.
+--
+-- Returns {1, fence} when the lock is now this send's (fence 0 without one),
+-- {2, holder} when the call was merged into the queued holder's arguments, or
+-- {0, holder} when another send holds the lock. Run twice for the same send (a
+-- batch resent after a dropped connection), it takes the lock both times,
+-- with a new fence the second time.
+local value = ARGV[1] .. ' ' .. ARGV[2]
+local current = redis.call('GET', KEYS[1])
+local merging = ARGV[5] ~= ''
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+if current and current ~= value and current ~= ARGV[4] then
+  if merging and ARGV[8] ~= '1' and redis.call('EXISTS', KEYS[2]) == 1 then
+    redis.call('HSET', KEYS[2], 'args', ARGV[5], 'last', now_ms())
+    return {2, current}
+  end
+  return {0, current}
+end
+redis.call('SET', KEYS[1], value, 'PX', ARGV[3])
+local fence = 0
+if ARGV[6] == '1' then
+  fence = redis.call('INCR', KEYS[#KEYS])
+end
+if merging then
+  local now = now_ms()
+  local first = now
+  if ARGV[8] == '1' then
+    first = 0
+  end
+  redis.call('DEL', KEYS[2])
+  redis.call('HSET', KEYS[2], 'args', ARGV[5], 'first', first, 'last', now)
+  redis.call('PEXPIRE', KEYS[2], ARGV[7])
+end
+return {1, fence}

@@ -1,0 +1,10 @@
+-- Whether a lock is still held by the given owner (a running task asks).
+--
+-- KEYS[1]  the lock key
+-- ARGV[1]  the lock's value: "<owner token> <task_id>"
+--
+-- Returns 1 when the lock's value is ARGV[1], else 0 (expired, or another holder).
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return 1
+end
+return 0
