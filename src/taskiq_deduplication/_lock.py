@@ -71,7 +71,8 @@ class Reasserted:
     TAKEN_BACK: Final = 2
 
 
-def _load_script(client: RedisClient, name: str) -> AsyncScript:
+def load_script(client: RedisClient, name: str) -> AsyncScript:
+    """Register the script ``lua/<name>.lua`` on ``client`` (sent on its first call)."""
     source = resources.files(__package__).joinpath(f"lua/{name}.lua").read_text("utf-8")
     return client.register_script(source)
 
@@ -85,10 +86,10 @@ class LockStore:
         Every call waits for its reply at most the client's ``socket_timeout``
         (5 seconds if it has none), counted from the moment it is made.
         """
-        self._acquire = _load_script(client, "acquire")
-        self._extend = _load_script(client, "extend")
-        self._release = _load_script(client, "release")
-        self._reassert = _load_script(client, "reassert")
+        self._acquire = load_script(client, "acquire")
+        self._extend = load_script(client, "extend")
+        self._release = load_script(client, "release")
+        self._reassert = load_script(client, "reassert")
         self._pipeline = Pipeline(
             client,
             (self._acquire, self._extend, self._release, self._reassert),
