@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import coverage
 from taskiq import InMemoryBroker
 
 from taskiq_deduplication import RedisDeduplicationMiddleware
@@ -41,7 +42,7 @@ async def start_dedup(*args: str, **env: str) -> asyncio.subprocess.Process:
     """
     environment = {name: value for name, value in os.environ.items() if name != "REDIS_URL"}
     return await asyncio.create_subprocess_exec(
-        sys.executable,
+        *_python(),
         "-m",
         "taskiq",
         "dedup",
@@ -69,6 +70,23 @@ async def dedup(*args: str, stdin: str = "", **env: str) -> Run:
         raise
     assert process.returncode is not None
     return Run(process.returncode, out.decode(), err.decode())
+
+
+def _python() -> list[str]:
+    """The interpreter, measured by coverage like the test process when the suite runs with it.
+
+    Each run writes its data file beside the suite's, which pytest-cov combines.
+    """
+    if coverage.Coverage.current() is None:
+        return [sys.executable]
+    return [
+        sys.executable,
+        "-m",
+        "coverage",
+        "run",
+        "--parallel-mode",
+        f"--rcfile={ROOT / 'pyproject.toml'}",
+    ]
 
 
 def one_line_error(run: Run) -> str:

@@ -219,6 +219,10 @@ async def test_a_lock_taken_again_while_asking_is_not_released(
         (("list", "--prefix", "", "--url", "redis://x"), "--prefix: key_prefix must be"),
         (("list", "--url", "redis+sentinel://h:1"), "expected redis+sentinel://host:port"),
         (("list", "--url", "http://x"), "--url http://x:"),
+        (
+            ("list", "--url", "redis+sentinel://u:secret@h:x/svc"),
+            "--url redis+sentinel://u:***@h:x/svc: bad port in sentinel address 'h:x'",
+        ),
         (("show",), "the following arguments are required: KEY"),
     ],
 )
@@ -430,6 +434,7 @@ async def test_key_follows_the_labels_of_the_task_and_of_the_call(
         (("tests.cli_app:broker", "nope"), "has no task 'nope' (its tasks: nightly, ping,"),
         (("tests.cli_app:broker", "nightly", "--args", "{"), "--args: not JSON"),
         (("tests.cli_app:broker", "nightly", "--kwargs", "[]"), "--kwargs: expected a JSON object"),
+        (("tests.cli_app:broker", "nightly", "--url", "http://x"), "--url http://x: "),
         (
             ("tests.cli_app:broker", "nightly", "--labels", '{"deduplication_ttl": "abc"}'),
             "invalid value 'abc' for label 'deduplication_ttl'",

@@ -26,11 +26,13 @@ finish = asyncio.Event()
 
 @broker.task(task_name="shop.monthly_report")
 async def monthly_report(month: str) -> None:
+    print(f"building the report of {month}")
     await finish.wait()
 
 
 @broker.task(task_name="shop.nightly_export", deduplication_key="nightly-export")
 async def nightly_export() -> None:
+    print("exporting")
     await finish.wait()
 
 
@@ -59,14 +61,12 @@ async def main() -> None:
     await monthly_report.kiq("2024-05")
     await monthly_report.kiq("2024-06")
     await nightly_export.kiq()
+    await asyncio.sleep(0.1)  # the three have started
+    print()
 
     await session("taskiq dedup list")
-    await session(
-        "taskiq dedup key operations:broker shop.monthly_report --args '[\"2024-06\"]'"
-    )
-    await session(
-        "taskiq dedup key operations:broker shop.monthly_report --args '[\"2024-07\"]'"
-    )
+    await session("taskiq dedup key operations:broker shop.monthly_report --args '[\"2024-06\"]'")
+    await session("taskiq dedup key operations:broker shop.monthly_report --args '[\"2024-07\"]'")
     await session("taskiq dedup show nightly-export --json")
     await session("echo y | taskiq dedup release nightly-export", answer="y\n")
     await session("taskiq dedup show nightly-export")

@@ -11,7 +11,7 @@ group as ``taskiq worker`` and ``taskiq scheduler`` are::
 ``--url`` falls back to ``REDIS_URL``. Exit codes: 0 done, 1 not found (no such
 lock, or nothing released), 2 bad usage (options, JSON, an app or task that is
 not there), 3 Redis failed (unreachable, or the user may not run a command).
-Every error is one line on stderr.
+Ctrl-C exits with 130. Every error is one line on stderr.
 """
 
 from __future__ import annotations
@@ -57,8 +57,10 @@ class ExitCode(enum.IntEnum):
     """No such lock (``show``, ``key``), or not all were released (``release``)."""
     USAGE = 2
     """Bad options or JSON, no URL, or an app module, broker or task that is not there."""
-    REDIS_ERROR = 3
-    """Redis could not be reached, or the Redis user may not run a command."""
+    ERROR = 3
+    """Redis could not be reached or refused a command (the user may not run it), or else failed."""
+    INTERRUPTED = 130
+    """Stopped with Ctrl-C, as shells report it."""
 
 
 class _UsageError(Exception):
@@ -111,9 +113,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _UsageError as exc:
         return _fail(ExitCode.USAGE, str(exc))
     except REDIS_ERRORS as exc:
-        return _fail(ExitCode.REDIS_ERROR, f"Redis: {type(exc).__name__}: {_one_line(exc)}")
+        return _fail(ExitCode.ERROR, f"Redis: {type(exc).__name__}: {_one_line(exc)}")
     except KeyboardInterrupt:
-        return _fail(ExitCode.USAGE, "interrupted")
+        return _fail(ExitCode.INTERRUPTED, "interrupted")
+    except Exception as exc:  # noqa: BLE001 (one line, never a traceback, whatever failed)
+        return _fail(ExitCode.ERROR, f"{type(exc).__name__}: {_one_line(exc)}")
     finally:
         library.removeHandler(handler)
 
@@ -124,7 +128,7 @@ def _parser() -> _Parser:
         description="List, inspect and release the locks of RedisDeduplicationMiddleware.",
         epilog=(
             "exit status: 0 done, 1 not found (no such lock, or nothing released), "
-            "2 bad usage, 3 Redis failed"
+            "2 bad usage, 3 Redis (or anything else) failed"
         ),
     )
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
@@ -311,9 +315,7 @@ async def _key(args: argparse.Namespace) -> int:
         else:
             print(f"task    {task_name}\nkey     none: deduplication is off for this call")
         return ExitCode.NOT_FOUND
-    client, own = (
-        (await inspect.connect(args.url), True) if args.url else middleware._new_client()  # noqa: SLF001 (the middleware's own connection)
-    )
+    client, own = await _client_of(middleware, args.url)
     try:
         reading = inspect.Reading()
         found = await inspect.read_locks(client, [key], middleware.key_prefix, reading)
@@ -364,6 +366,18 @@ async def _connected(args: argparse.Namespace) -> AsyncIterator[RedisClient]:
         yield client
     finally:
         await client.aclose()
+
+
+async def _client_of(
+    middleware: RedisDeduplicationMiddleware, url: str | None
+) -> tuple[RedisClient, bool]:
+    """The client for ``url``, else the middleware's own; and whether to close it after."""
+    if not url:
+        return middleware._new_client()  # noqa: SLF001 (the connection the middleware itself uses)
+    try:
+        return await inspect.connect(url), True
+    except ValueError as exc:
+        raise _UsageError(f"--url {inspect.redacted(url)}: {exc}") from None
 
 
 def _app_middleware(spec: str, task_name: str) -> tuple[RedisDeduplicationMiddleware, str]:
