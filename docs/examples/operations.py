@@ -36,9 +36,8 @@ async def nightly_export() -> None:
     await finish.wait()
 
 
-async def session(command: str, answer: str = "") -> None:
-    """Run one ``taskiq dedup`` command line and print it with its output."""
-    print(f"$ {command}")
+async def run(command: str, answer: str = "") -> str:
+    """Run one ``taskiq dedup`` command line; the command and what it printed."""
     args = shlex.split(command.rpartition("| ")[2])
     process = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -52,8 +51,14 @@ async def session(command: str, answer: str = "") -> None:
     )
     out, _ = await process.communicate(answer.encode())
     # A terminal would show the answer typed after the question; a pipe does not echo it.
-    print(out.decode().replace("[y/N] ", f"[y/N] {answer}"), end="")
-    print(f"(exit status {process.returncode})\n")
+    printed = out.decode().replace("[y/N] ", f"[y/N] {answer}")
+    return f"$ {command}\n{printed}(exit status {process.returncode})\n"
+
+
+async def session(*commands: str, answer: str = "") -> None:
+    """Run commands that do not change anything at once; print them in order."""
+    for transcript in await asyncio.gather(*(run(command, answer) for command in commands)):
+        print(transcript)
 
 
 async def main() -> None:
@@ -64,10 +69,12 @@ async def main() -> None:
     await asyncio.sleep(0.1)  # the three have started
     print()
 
-    await session("taskiq dedup list")
-    await session("taskiq dedup key operations:broker shop.monthly_report --args '[\"2024-06\"]'")
-    await session("taskiq dedup key operations:broker shop.monthly_report --args '[\"2024-07\"]'")
-    await session("taskiq dedup show nightly-export --json")
+    await session(
+        "taskiq dedup list",
+        "taskiq dedup key operations:broker shop.monthly_report --args '[\"2024-06\"]'",
+        "taskiq dedup key operations:broker shop.monthly_report --args '[\"2024-07\"]'",
+        "taskiq dedup show nightly-export --json",
+    )
     await session("echo y | taskiq dedup release nightly-export", answer="y\n")
     await session("taskiq dedup show nightly-export")
 
