@@ -57,6 +57,9 @@ _VARYING = (
     (re.compile(r"(?<![A-Za-z0-9_-])[A-Za-z0-9_-]{11}(?= (?:of task )?<task_id>)"), "<token>"),
     (re.compile(r"(?<=-)[0-9a-f]{8}(?=:)"), "<run>"),
     (re.compile(r"(?<=127\.0\.0\.1:)\d+|(?<='127\.0\.0\.1', )\d+"), "<port>"),
+    # What `taskiq dedup` prints of a lock: its owner token and its time left.
+    (re.compile(r'(?<="owner_token": ")[A-Za-z0-9_-]{11}(?=")'), "<token>"),
+    (re.compile(r'(?<="ttl_ms": )\d+\b|\b\d+(?= ms\b)'), "<ms>"),
 )
 
 

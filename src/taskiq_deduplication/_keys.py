@@ -1,7 +1,7 @@
 """The lock key of a call, asked from outside a send (the test helpers, the CLI).
 
-The key is made by the middleware's own code, exactly as ``pre_send`` makes it:
-its labels read with the middleware's defaults, then its ``_lock_key``. Nothing
+The key is made by the middleware's own code, exactly as ``pre_send`` makes it
+(its ``_send_key``, which the CLI asks too). Nothing
 is sent and nothing talks to Redis.
 """
 
@@ -10,8 +10,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from taskiq import TaskiqMessage
-
-from taskiq_deduplication import _labels
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -49,7 +47,4 @@ def call_key(
         args=list(args),
         kwargs=dict(kwargs or {}),
     )
-    send = _labels.read_send_options(message.labels, middleware._defaults)  # noqa: SLF001 (the middleware's own reading)
-    if send is None:
-        return None
-    return middleware._lock_key(message, send)  # noqa: SLF001 (the middleware's own key)
+    return middleware._send_key(message)  # noqa: SLF001 (the middleware's own key)

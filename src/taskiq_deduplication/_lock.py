@@ -97,7 +97,8 @@ class Reasserted:
     TAKEN_BACK: Final = 2
 
 
-def _load_script(client: RedisClient, name: str) -> AsyncScript:
+def load_script(client: RedisClient, name: str) -> AsyncScript:
+    """Register the script ``lua/<name>.lua`` on ``client`` (sent on its first call)."""
     source = resources.files(__package__).joinpath(f"lua/{name}.lua").read_text("utf-8")
     return client.register_script(source)
 
@@ -114,14 +115,14 @@ class LockStore:
         (5 seconds if it has none), counted from the moment it is made. The
         seconds of each round trip go to ``round_trip``, if given.
         """
-        self._acquire = _load_script(client, "acquire")
-        self._extend = _load_script(client, "extend")
-        self._release = _load_script(client, "release")
-        self._reassert = _load_script(client, "reassert")
+        self._acquire = load_script(client, "acquire")
+        self._extend = load_script(client, "extend")
+        self._release = load_script(client, "release")
+        self._reassert = load_script(client, "reassert")
         # For the tasks that merge calls or take a fence, and TaskLock.held().
-        self._acquire_with = _load_script(client, "acquire_with")
-        self._claim = _load_script(client, "claim")
-        self._held = _load_script(client, "held")
+        self._acquire_with = load_script(client, "acquire_with")
+        self._claim = load_script(client, "claim")
+        self._held = load_script(client, "held")
         self._pipeline = Pipeline(
             client,
             (

@@ -815,6 +815,15 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         )
         write_lock_labels(message.labels, recorded, message.task_id)
 
+    def _send_key(self, message: TaskiqMessage) -> str | None:
+        """The key a first send of ``message`` takes, or ``None`` if it is not deduplicated.
+
+        What ``pre_send`` computes, for ``taskiq dedup key``; raises as it does
+        on a bad label or arguments that cannot be fingerprinted.
+        """
+        send = labels.read_send_options(message.labels, self._defaults)
+        return None if send is None else self._lock_key(message, send)
+
     def _lock_key(self, message: TaskiqMessage, send: labels.SendOptions) -> str:
         if send.key is not None:
             return lock_key(self.key_prefix, send.key)

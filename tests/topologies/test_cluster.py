@@ -17,6 +17,7 @@ from taskiq import InMemoryBroker, SimpleRetryMiddleware, TaskiqMiddleware
 
 from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
 from tests._brokers import HoldingBroker
+from tests._cli import dedup, holding
 from tests.topologies._servers import Cluster
 
 
@@ -210,3 +211,27 @@ async def test_script_caches_lost_during_a_burst_fail_no_kiq(
     assert [r for r in results if isinstance(r, BaseException)] == []
     assert len(await keys_under(client, prefix)) == 1000
     await broker.shutdown()
+
+
+async def test_the_dedup_command_lists_shows_and_releases_on_every_primary(
+    cluster: Cluster, client: RedisCluster, prefix: str
+) -> None:
+    middleware = RedisDeduplicationMiddleware(client=client, key_prefix=prefix)
+    async with holding(middleware, 40) as ids:
+        listed = await dedup("list", "--url", cluster.url, "--prefix", prefix, "--json")
+        assert listed.status == 0, listed.stderr
+        locks = listed.json()
+        assert sorted(lock["holder_task_id"] for lock in locks) == sorted(ids)
+        nodes = {client.get_node_from_key(lock["key"]) for lock in locks}
+        assert len({node.name for node in nodes if node is not None}) == 3
+        first = locks[0]
+        shown = await dedup(
+            "show", first["key"], "--url", cluster.url, "--prefix", prefix, "--json"
+        )
+        released = await dedup(
+            "release", "--match", "*", "--url", cluster.url, "--prefix", prefix, "--yes"
+        )
+        assert shown.json()["holder_task_id"] == first["holder_task_id"]
+        assert released.status == 0, released.stderr
+        assert len(released.stdout.splitlines()) == 40
+        assert await keys_under(client, prefix) == []

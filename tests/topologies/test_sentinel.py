@@ -22,6 +22,7 @@ from taskiq import SimpleRetryMiddleware, TaskiqMiddleware
 
 from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
 from tests._brokers import HoldingBroker
+from tests._cli import dedup, holding
 from tests.topologies._servers import Sentinels
 
 logger = logging.getLogger(__name__)
@@ -205,3 +206,18 @@ async def test_locks_taken_just_before_a_failover_can_be_lost(
     assert survivors > 0  # nearly all of them were replicated in time
     await broker.shutdown()
     await client.aclose()
+
+
+async def test_the_dedup_command_lists_through_sentinel(sentinels: Sentinels) -> None:
+    prefix = f"cli:{uuid.uuid4().hex[:8]}"
+    client = primary_client(sentinels)
+    try:
+        middleware = RedisDeduplicationMiddleware(client=client, key_prefix=prefix)
+        async with holding(middleware, 3) as ids:
+            hosts = ",".join(f"{host}:{port}" for host, port in sentinels.addresses)
+            url = f"redis+sentinel://{hosts}/{sentinels.service}"
+            listed = await dedup("list", "--url", url, "--prefix", prefix, "--json")
+            assert listed.status == 0, listed.stderr
+            assert sorted(lock["holder_task_id"] for lock in listed.json()) == sorted(ids)
+    finally:
+        await client.aclose()

@@ -1,0 +1,46 @@
+"""A small application for ``taskiq dedup key``: a broker and tasks with deduplication labels.
+
+It reads ``REDIS_URL`` and ``DEDUP_CLI_PREFIX`` when imported, as an app reads
+its settings, so the command and the test that kicks its tasks share one Redis
+and one key prefix. Its tasks wait for ``finish`` so that their locks stay held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from taskiq import InMemoryBroker
+
+from taskiq_deduplication import RedisDeduplicationMiddleware
+
+broker = InMemoryBroker().with_middlewares(
+    RedisDeduplicationMiddleware(
+        redis_url=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
+        key_prefix=os.environ.get("DEDUP_CLI_PREFIX", "cli-app"),
+    )
+)
+finish = asyncio.Event()
+
+
+@broker.task(task_name="reports.monthly")
+async def monthly_report(month: str, *, pages: int = 1) -> None:
+    await finish.wait()
+
+
+@broker.task(task_name="users.sync", deduplication_key_fields=["user_id"], deduplication_ttl=60)
+async def sync_user(user_id: int, reason: str = "") -> None:
+    await finish.wait()
+
+
+@broker.task(task_name="nightly", deduplication_key="nightly-run")
+async def nightly() -> None:
+    await finish.wait()
+
+
+@broker.task(task_name="ping", deduplication=False)
+async def ping() -> None:
+    await finish.wait()
+
+
+not_a_broker = "just a string"
