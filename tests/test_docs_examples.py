@@ -51,14 +51,17 @@ _SNIPPET = re.compile(r"""--8<--\s+["'](?P<path>[^"':]+)(?::[^"']+)?["']""")
 # What differs from run to run, in the order it is replaced. Each pattern matches
 # only the exact shape the library produces (a 43-character base64url digest, an
 # 11-character token), so a change of format shows up as a difference.
+# An owner token: 11 random characters, or, for a lock under an explicit key or
+# key fields, 6 random ones, a dot and a digest of the call's arguments.
+_OWNER_SHAPE = r"[A-Za-z0-9_-]{11}|[A-Za-z0-9_-]{6}\.[A-Za-z0-9_-]{4}"
 _VARYING = (
     (re.compile(r"\b[0-9a-f]{32}\b"), "<task_id>"),
     (re.compile(r"(?<=:)[A-Za-z0-9_-]{43}(?![A-Za-z0-9_-])"), "<digest>"),
-    (re.compile(r"(?<![A-Za-z0-9_-])[A-Za-z0-9_-]{11}(?= (?:of task )?<task_id>)"), "<token>"),
+    (re.compile(rf"(?<![A-Za-z0-9_.-])(?:{_OWNER_SHAPE})(?= (?:of task )?<task_id>)"), "<token>"),
     (re.compile(r"(?<=-)[0-9a-f]{8}(?=:)"), "<run>"),
     (re.compile(r"(?<=127\.0\.0\.1:)\d+|(?<='127\.0\.0\.1', )\d+"), "<port>"),
     # What `taskiq dedup` prints of a lock: its owner token and its time left.
-    (re.compile(r'(?<="owner_token": ")[A-Za-z0-9_-]{11}(?=")'), "<token>"),
+    (re.compile(rf'(?<="owner_token": ")(?:{_OWNER_SHAPE})(?=")'), "<token>"),
     (re.compile(r'(?<="ttl_ms": )\d+\b|\b\d+(?= ms\b)'), "<ms>"),
 )
 
