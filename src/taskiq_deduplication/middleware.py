@@ -68,6 +68,9 @@ _VERBS: Final = {Step.REASSERT: "re-assert", Step.REMEMBER: "release", Step.RELE
 
 #: What an acquire gives when Redis failed and ``fail_open`` lets the send go.
 _FAILED_OPEN: Final = _FailedOpen.FAILED_OPEN
+#: Most sends remembered between their pre_send and post_send (one whose
+#: broker failed never gets a post_send; the oldest is forgotten first).
+_MAX_SENDS_IN_FLIGHT: Final = 4096
 
 
 class RedisDeduplicationMiddleware(TaskiqMiddleware):
@@ -180,6 +183,13 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         self._kept: contextvars.ContextVar[str | None] = contextvars.ContextVar(
             f"taskiq_deduplication_kept_{id(self):x}", default=None
         )
+        # Owner tokens of this process's sends between pre_send and post_send,
+        # and whether a run in this process has ended their lock meanwhile (an
+        # in-memory broker that runs the task inside kiq): post_send then has
+        # nothing to extend. Only this send's own run can have put its token
+        # in Redis since, so the extension, owner-checked, would be a no-op or
+        # would undo the end (a success TTL stretched back to the full TTL).
+        self._sends: dict[str, bool] = {}
 
     # Startup and shutdown
 
@@ -315,6 +325,9 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             running.resent = Resent.WITH_THE_LOCK
             running.stop_heartbeat()
         self._record(message, key, lock.token, send)
+        if len(self._sends) >= _MAX_SENDS_IN_FLIGHT:
+            del self._sends[next(iter(self._sends))]
+        self._sends[lock.token] = False
         return message
 
     async def post_send(self, message: TaskiqMessage) -> None:
@@ -325,8 +338,10 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         so it cannot revive a lock that a fast worker already released.
         """
         lock = self._lock_of(message)
-        if lock is None or lock.ttl_ms <= GRACE_TTL * 1000:
+        if lock is None:
             return
+        if self._sends.pop(lock.token, False) or lock.ttl_ms <= GRACE_TTL * 1000:
+            return  # its run ended the lock already, or the grace TTL is its TTL
         if self._kept.get() == lock.value:  # a retry that left its lock as it was
             self._kept.set(None)
             return
@@ -415,6 +430,8 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         if step is Step.EXTEND:
             await locks.extend_detached(lock)
             return
+        if step is not Step.REASSERT and lock.token in self._sends:
+            self._sends[lock.token] = True  # its own post_send is still to come
         try:
             if step is Step.REASSERT:
                 await locks.reassert([lock])
