@@ -430,15 +430,16 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         if step is Step.EXTEND:
             await locks.extend_detached(lock)
             return
-        if step is not Step.REASSERT and lock.token in self._sends:
-            self._sends[lock.token] = True  # its own post_send is still to come
         try:
             if step is Step.REASSERT:
                 await locks.reassert([lock])
-            elif step is Step.REMEMBER and execution.success_ttl:
+                return
+            if step is Step.REMEMBER and execution.success_ttl:
                 await locks.extend(lock, execution.success_ttl * 1000)
             else:
                 await locks.release(lock)
+            if lock.token in self._sends:  # its own post_send is still to come
+                self._sends[lock.token] = True
         except REDIS_ERRORS as exc:
             logger.warning(
                 "Could not %s lock %r of task %s (%s): %s: %s; it expires in %ds",
