@@ -325,8 +325,8 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             running.resent = Resent.WITH_THE_LOCK
             running.stop_heartbeat()
         self._record(message, key, lock.token, send)
-        if len(self._sends) >= _MAX_SENDS_IN_FLIGHT:
-            del self._sends[next(iter(self._sends))]
+        if len(self._sends) >= _MAX_SENDS_IN_FLIGHT:  # shared by every loop and thread
+            self._sends.pop(next(iter(self._sends), ""), None)
         self._sends[lock.token] = False
         return message
 

@@ -95,6 +95,8 @@ class _Workers:
                 "WARNING",
                 "--shutdown-timeout",
                 "5",
+                "--wait-tasks-timeout",
+                "2",
             ],
             cwd=ROOT,
             env=env,
@@ -106,12 +108,16 @@ class _Workers:
         """Stop the command's process by its pid (it stops its workers)."""
         if self.process is None or self.process.poll() is not None:
             return
+        children = self.children()
         self.process.send_signal(signal.SIGTERM)
         try:
-            self.process.wait(timeout=15)
+            self.process.wait(timeout=20)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(timeout=5)
+            for pid in children:  # the ones it started, by pid
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
 
     def children(self) -> list[int]:
         """The pids of the worker processes."""
@@ -248,7 +254,9 @@ def _traffic(bench: Bench, workers: _Workers) -> tuple[float, float, float, floa
 
 async def _held_window(bench: Bench, tasks: int, *, beating: bool) -> Results:
     settings = bench.settings
-    hold = settings.heartbeat_settle + settings.heartbeat_window + 3.0
+    # Longer than the worker needs to take them all (one BRPOP each) and the
+    # window: the worker is stopped after the window, its tasks still running.
+    hold = 120.0
     workers = _Workers(
         bench.url, "H", 1, tasks + 100, dedup=True, ttl=HELD_TTL, traffic=True, heartbeat=beating
     )
@@ -259,7 +267,7 @@ async def _held_window(bench: Bench, tasks: int, *, beating: bool) -> Results:
         staging, _ = await _fill(bench, workers, tasks, hold)
         bench.probe.client.rename(staging, workers.queue)
         await _wait_for(
-            lambda: not bench.probe.client.llen(workers.queue), 60, "the tasks to start"
+            lambda: not bench.probe.client.llen(workers.queue), 180, "the tasks to start"
         )
         await asyncio.sleep(settings.heartbeat_settle)
         probe = bench.probe
