@@ -62,6 +62,10 @@ class Heartbeat:
         self._loop_task: asyncio.Task[None] | None = None
         self._wakeup = asyncio.Event()
         self._next_wake = float("inf")
+        # Starts the loop when the first beat falls due: a task that ends
+        # before its first refresh (most do) never costs an asyncio task.
+        self._start_timer: asyncio.TimerHandle | None = None
+        self._start_at = float("inf")
 
     def __len__(self) -> int:
         """The number of locks being kept alive."""
@@ -73,9 +77,18 @@ class Heartbeat:
         if self._held is not None and beat not in self._beats:
             self._held(1)
         self._beats.add(beat)
-        if beat.due < self._next_wake:
-            self._wakeup.set()
-        if self._loop_task is None or self._loop_task.done():
+        if self._loop_task is not None and not self._loop_task.done():
+            if beat.due < self._next_wake:
+                self._wakeup.set()
+        elif beat.due < self._start_at:
+            if self._start_timer is not None:
+                self._start_timer.cancel()
+            self._start_timer = asyncio.get_running_loop().call_later(beat.interval, self._start)
+            self._start_at = beat.due
+
+    def _start(self) -> None:
+        self._start_timer, self._start_at = None, float("inf")
+        if self._beats and (self._loop_task is None or self._loop_task.done()):
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
     def discard(self, beat: Beat) -> None:
@@ -91,6 +104,9 @@ class Heartbeat:
         if self._held is not None and self._beats:
             self._held(-len(self._beats))
         self._beats.clear()
+        if self._start_timer is not None:
+            self._start_timer.cancel()
+            self._start_timer, self._start_at = None, float("inf")
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

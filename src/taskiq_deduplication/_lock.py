@@ -317,7 +317,10 @@ class LockStore:
                 calls.append((self._reassert, keys, [ttl_ms, *(locks[i].value for i in chunk)]))
                 order += chunk
         # All of them go in one batch: a heartbeat tick is one round trip.
-        replies = await self._pipeline.call_many(calls)
+        if len(calls) == 1:  # a run that begins: no futures to gather
+            replies = [await self._pipeline.call(*calls[0])]
+        else:
+            replies = await self._pipeline.call_many(calls)
         outcomes: list[int | str] = [0] * len(locks)
         flat = (reply for chunk_replies in replies for reply in chunk_replies)
         for index, reply in zip(order, flat, strict=True):

@@ -224,8 +224,19 @@ class Pipeline:
             _Call(script, keys, args, None, loop.time() + self._detached_timeout, what)
         )
         if not self._busy and self._transport.writes_ahead and self._transport.ready:
-            self._busy = True
             # All that is queued: its replies are read in one go with the next batch.
+            calls = self._take_batch(loop.time(), len(self._queue))
+            if self._transport.write_now([_command(call) for call in calls]):
+                # On the wire without a turn of the event loop. Its reply is
+                # read by the next batch: the next call, often made in this very
+                # loop iteration, or else the background sender, soon.
+                for call in calls:
+                    call.written = True
+                self._written += calls
+                loop.call_soon(self._send_backlog)
+                return
+            self._queue.extendleft(reversed(calls))
+            self._busy = True
             calls = self._take_batch(loop.time(), len(self._queue))
             for call in calls:
                 call.written = True
@@ -572,6 +583,12 @@ class _Transport(Protocol):
     async def connect(self) -> None:
         """Make the transport ready, or raise the error that prevents it."""
 
+    def write_now(self, commands: list[Command]) -> bool:
+        """Put the commands on the wire without yielding, if that can be done now.
+
+        Returns whether they went; :meth:`execute` reads their replies later.
+        """
+
     async def write(self, commands: list[Command]) -> None:
         """Send the commands now; :meth:`execute` reads their replies later."""
 
@@ -617,10 +634,20 @@ class _Connection:
             await self._begin_operation()
             await self._end_operation()
 
+    def write_now(self, commands: list[Command]) -> bool:
+        if not self.ready:
+            return False
+        connection = self._held
+        assert connection is not None  # noqa: S101 (ready says so)
+        if not _write_at_once(connection, connection.pack_commands(commands)):
+            return False
+        self._unread += len(commands)
+        return True
+
     async def write(self, commands: list[Command]) -> None:
         connection = await self._begin_operation()
         try:
-            await connection.send_packed_command(connection.pack_commands(commands), False)  # noqa: FBT003 (redis-py's check_health)
+            await _send(connection, connection.pack_commands(commands))
             self._unread += len(commands)
         except BaseException:
             await self._end_operation(failed=True)
@@ -632,7 +659,7 @@ class _Connection:
         replies: list[Any] = []
         try:
             if commands:
-                await connection.send_packed_command(connection.pack_commands(commands), False)  # noqa: FBT003 (redis-py's check_health)
+                await _send(connection, connection.pack_commands(commands))
                 self._unread += len(commands)
             while self._unread:
                 replies.append(await _read_reply(connection))
@@ -694,6 +721,33 @@ def _wants_command_name(pool_class: type[ConnectionPool]) -> bool:
     return parameter is not None and parameter.default is inspect.Parameter.empty
 
 
+def _write_at_once(connection: AbstractConnection, packed: list[bytes]) -> bool:
+    """Hand ``packed`` to the socket now, without yielding, if nothing is queued before it.
+
+    redis-py's ``send_packed_command`` bounds every write with
+    ``asyncio.wait_for``, which before Python 3.12 runs the write in a task of
+    its own: two more turns of the event loop for each batch. A write to a
+    connection whose buffer is empty cannot block (the transport tries the
+    socket at once and keeps whatever the kernel did not take), so it needs no
+    timeout; a connection with bytes still queued (Redis is not reading) goes
+    the bounded way, through redis-py.
+    """
+    writer = getattr(connection, "_writer", None)  # redis-py's StreamWriter, since 4.2
+    transport = getattr(writer, "transport", None)
+    if writer is None or transport is None or transport.is_closing():
+        return False
+    if transport.get_write_buffer_size():
+        return False
+    writer.writelines(packed)
+    return True
+
+
+async def _send(connection: AbstractConnection, packed: list[bytes]) -> None:
+    """Write ``packed`` at once if the connection can take it, else through redis-py."""
+    if not _write_at_once(connection, packed):
+        await connection.send_packed_command(packed, False)  # noqa: FBT003 (redis-py's check_health)
+
+
 async def _read_reply(connection: AbstractConnection) -> Any:  # noqa: ANN401 (any reply)
     try:
         return await connection.read_response()
@@ -714,6 +768,9 @@ class _ClusterTransport:
 
     async def connect(self) -> None:
         pass
+
+    def write_now(self, commands: list[Command]) -> bool:  # noqa: ARG002 (the protocol's)
+        return False
 
     async def write(self, commands: list[Command]) -> None:
         raise NotImplementedError
@@ -748,6 +805,9 @@ class _TimedTransport:
 
     async def connect(self) -> None:
         await self._transport.connect()
+
+    def write_now(self, commands: list[Command]) -> bool:
+        return self._transport.write_now(commands)  # no round trip either
 
     async def write(self, commands: list[Command]) -> None:
         await self._transport.write(commands)  # no round trip: its replies come with execute

@@ -85,6 +85,9 @@ _CLAIM_STEPS: Final = {Step.REASSERT: "reassert", Step.RELEASE: "release"}
 
 #: What an acquire gives when Redis failed and ``fail_open`` lets the send go.
 _FAILED_OPEN: Final = _FailedOpen.FAILED_OPEN
+#: Most sends remembered between their pre_send and post_send (one whose
+#: broker failed never gets a post_send; the oldest is forgotten first).
+_MAX_SENDS_IN_FLIGHT: Final = 4096
 
 
 class RedisDeduplicationMiddleware(TaskiqMiddleware):
@@ -204,6 +207,13 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         self._kept: contextvars.ContextVar[str | None] = contextvars.ContextVar(
             f"taskiq_deduplication_kept_{id(self):x}", default=None
         )
+        # Owner tokens of this process's sends between pre_send and post_send,
+        # and whether a run in this process has ended their lock meanwhile (an
+        # in-memory broker that runs the task inside kiq): post_send then has
+        # nothing to extend. Only this send's own run can have put its token
+        # in Redis since, so the extension, owner-checked, would be a no-op or
+        # would undo the end (a success TTL stretched back to the full TTL).
+        self._sends: dict[str, bool] = {}
         # Whether each task (by name) takes a TaskLock, so that its sends draw a fence.
         self._fenced: dict[str, bool] = {}
 
@@ -361,7 +371,14 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         self._record(message, key, lock.token, send, acquired.fence if acquired else None)
         if self._events.active:  # inline: the one point every accepted send passes
             self._outcome(LockEventKind.LOCKED, message, key, message.task_id)
+        self._in_flight(lock.token)
         return message
+
+    def _in_flight(self, token: str) -> None:
+        """Note a send between its pre_send and post_send (see ``_sends``)."""
+        if len(self._sends) >= _MAX_SENDS_IN_FLIGHT:  # shared by every loop and thread
+            self._sends.pop(next(iter(self._sends), ""), None)
+        self._sends[token] = False
 
     def _keep(
         self,
@@ -387,8 +404,10 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         so it cannot revive a lock that a fast worker already released.
         """
         lock = self._lock_of(message)
-        if lock is None or lock.ttl_ms <= GRACE_TTL * 1000:
+        if lock is None:
             return
+        if self._sends.pop(lock.token, False) or lock.ttl_ms <= GRACE_TTL * 1000:
+            return  # its run ended the lock already, or the grace TTL is its TTL
         if self._kept.get() == lock.value:  # a retry that left its lock as it was
             self._kept.set(None)
             return
@@ -483,12 +502,15 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         try:
             if step is Step.REASSERT:
                 await locks.reassert([lock])
-            elif step is Step.REMEMBER and execution.success_ttl:
+                return
+            if step is Step.REMEMBER and execution.success_ttl:
                 await locks.extend(lock, execution.success_ttl * 1000)
             elif await locks.release(lock):
                 self._events.emit(
                     LockEventKind.RELEASED, message.task_name, message.task_id, lock.key, None
                 )
+            if lock.token in self._sends:  # its own post_send is still to come
+                self._sends[lock.token] = True
         except REDIS_ERRORS as exc:
             logger.warning(
                 "Could not %s lock %r of task %s (%s): %s: %s; it expires in %ds",

@@ -19,7 +19,17 @@ from tests.benchmarks.harness import Probe, quiet_logging
 
 #: The sections in the order they run. Memory goes first, on a server whose
 #: keyspace the earlier sections have not filled with locks that expire meanwhile.
-SECTIONS = ("memory", "send_path", "rejected", "lifecycle", "round_trips", "heartbeat", "limit")
+SECTIONS = (
+    "memory",
+    "send_path",
+    "overhead",
+    "rejected",
+    "lifecycle",
+    "round_trips",
+    "heartbeat",
+    "limit",
+    "workers",
+)
 DEFAULT_JSON = Path("benchmark-results/latest.json")
 IMAGES = Path("docs/images")
 
@@ -76,6 +86,9 @@ def _redis(url: str | None) -> Iterator[tuple[str, bool]]:
     from tests._server import Server  # noqa: PLC0415 (only when no Redis was given)
 
     server = Server().start()
+    if len(os.sched_getaffinity(0)) > 1:
+        # One core for the server, so that the client can be pinned beside it or apart.
+        os.sched_setaffinity(server.pid, {min(os.sched_getaffinity(0))})
     try:
         yield server.url, True
     finally:
@@ -90,6 +103,10 @@ async def _run_once(bench: scenarios.Bench, only: list[str] | None) -> report.Re
         started = time.perf_counter()
         if name == "send_path":
             results["send_path"], results["latency"] = await scenarios.send_path(bench)
+        elif name == "workers":
+            from tests.benchmarks import workers  # noqa: PLC0415 (starts processes)
+
+            results[name] = await workers.workers(bench)
         else:
             results[name] = await getattr(scenarios, name)(bench)
         results["seconds"][name] = time.perf_counter() - started
@@ -135,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     meta["seconds"] = time.perf_counter() - started
     summary = report.summarize(runs)
     target_rows = report.targets(summary)
-    output = {
+    output: report.Results = {
         "command": shlex.join(["python", "-m", "tests.benchmarks", *(argv or sys.argv[1:])]),
         "machine": meta,
         "settings": asdict(settings),
@@ -146,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(output, indent=2) + "\n")
+    sys.stdout.flush()
     sys.stdout.write(report.table(summary, target_rows))
     if profile is not None:
         from tests.benchmarks import profiling  # noqa: PLC0415

@@ -29,6 +29,8 @@ import redis
 from redis.asyncio.connection import AbstractConnection
 from taskiq import AsyncBroker, BrokerMessage
 
+from taskiq_deduplication import _pipeline
+
 Kick = Callable[[int], Awaitable[object]]
 """Send call number ``n`` (distinct numbers make distinct fingerprints)."""
 
@@ -134,8 +136,9 @@ def median(values: list[float]) -> float:
 class Traffic:
     """Counts what redis-py's asyncio connections send, while installed.
 
-    - a *write* is one ``send_packed_command`` call: one or many commands put on
-      the socket at once;
+    - a *write* is one ``send_packed_command`` call, or one write the lock
+      pipeline puts on the socket itself (``_pipeline._write_at_once``): one or
+      many commands put on the socket at once;
     - a *round trip* is a wait for the server: the first ``read_response`` on a
       connection after it wrote. A plain command, a redis-py pipeline and one batch
       of the middleware's lock pipeline are one round trip each; a command written
@@ -151,7 +154,7 @@ class Traffic:
         self.writes = 0
         self.commands = 0
         self._written: set[int] = set()  # connections that wrote since their last read
-        self._saved: tuple[Any, Any, Any] | None = None
+        self._saved: tuple[Any, Any, Any, Any] | None = None
 
     def install(self) -> None:
         """Wrap the connection class's methods (idempotent)."""
@@ -159,8 +162,16 @@ class Traffic:
             return
         send, pack = AbstractConnection.send_packed_command, AbstractConnection.pack_command
         read = AbstractConnection.read_response
-        self._saved = (send, pack, read)
+        write_at_once = _pipeline._write_at_once
+        self._saved = (send, pack, read, write_at_once)
         traffic = self
+
+        def pipeline_write(connection: AbstractConnection, packed: list[bytes]) -> bool:
+            written = write_at_once(connection, packed)
+            if written:
+                traffic.writes += 1
+                traffic._written.add(id(connection))
+            return written
 
         async def send_packed_command(
             connection: AbstractConnection, command: Any, check_health: bool = True
@@ -182,15 +193,17 @@ class Traffic:
         AbstractConnection.send_packed_command = send_packed_command  # type: ignore[method-assign,assignment]
         AbstractConnection.pack_command = pack_command  # type: ignore[method-assign,assignment]
         AbstractConnection.read_response = read_response  # type: ignore[method-assign,assignment]
+        _pipeline._write_at_once = pipeline_write
 
     def uninstall(self) -> None:
         """Put redis-py's own methods back."""
         if self._saved is None:
             return
-        send, pack, read = self._saved
+        send, pack, read, write_at_once = self._saved
         AbstractConnection.send_packed_command = send  # type: ignore[method-assign]
         AbstractConnection.pack_command = pack  # type: ignore[method-assign]
         AbstractConnection.read_response = read  # type: ignore[method-assign]
+        _pipeline._write_at_once = write_at_once
         self._saved = None
 
     def snapshot(self) -> tuple[int, int, int]:

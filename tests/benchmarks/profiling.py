@@ -35,11 +35,14 @@ _WAIT = "waiting in epoll (for Redis's reply, or idle)"
 _LOOP = "asyncio: event loop, streams, socket writes, futures"
 #: (path fragment, category), tried on the innermost frame first.
 _OWNERS = (
-    ("taskiq_deduplication/fingerprint.py", "dedup: fingerprint"),
-    ("taskiq_deduplication/labels.py", "dedup: labels"),
-    ("taskiq_deduplication/lock.py", "dedup: lock pipeline"),
-    ("taskiq_deduplication/heartbeat.py", "dedup: heartbeat loop"),
+    ("taskiq_deduplication/_fingerprint.py", "dedup: fingerprint"),
+    ("taskiq_deduplication/_labels.py", "dedup: labels"),
+    ("taskiq_deduplication/_formats.py", "dedup: labels"),
+    ("taskiq_deduplication/_lock.py", "dedup: lock pipeline"),
+    ("taskiq_deduplication/_pipeline.py", "dedup: lock pipeline"),
+    ("taskiq_deduplication/_heartbeat.py", "dedup: heartbeat loop"),
     ("taskiq_deduplication/middleware.py", "dedup: middleware hooks"),
+    ("taskiq_deduplication/", "dedup: middleware hooks"),
     ("redis/", "redis-py: pack commands, parse replies, connection"),
     ("taskiq_redis/", "taskiq-redis"),
     ("taskiq/", "taskiq: kicker, message, formatter"),

@@ -103,6 +103,10 @@ class Target:
     met: Any  # Callable[[float], bool], kept loose for the frozen dataclass
 
 
+def _le(bound: float) -> Any:
+    return lambda v: v <= bound
+
+
 TARGETS = (
     Target(
         "sequential kiq, null broker: with / without",
@@ -127,6 +131,32 @@ TARGETS = (
         "heartbeat.10000.cpu_share_of_core",
         "< 0.05",
         lambda v: v < 0.05,
+    ),
+    *(
+        Target(
+            f"{what} ({pin}): added time in bare EVALSHAs",
+            f"overhead.{pin}.{figure}",
+            goal,
+            met,
+        )
+        for pin in ("same_core", "other_core", "unpinned")
+        for what, figure, goal, met in (
+            ("sequential kiq, null broker", "kiq_added_round_trips", "<= 1.25", _le(1.25)),
+            ("life cycle, finished", "life_finished_added_round_trips", "<= 3", _le(3)),
+            ("life cycle, failed", "life_failed_added_round_trips", "<= 3", _le(3)),
+        )
+    ),
+    Target(
+        "ListQueueBroker, 64 callers: with / without",
+        "send_path.list_queue.64.ratio",
+        ">= 0.8",
+        lambda v: v >= 0.8,
+    ),
+    Target(
+        "taskiq worker drain, 2 processes: with / without",
+        "workers.drain.ratio",
+        ">= 0.8",
+        lambda v: v >= 0.8,
     ),
     Target(
         "Redis memory per held lock (bytes)",
@@ -154,6 +184,8 @@ def targets(summary: Results) -> list[Results]:
     rows: list[Results] = []
     for target in TARGETS:
         figure = lookup(summary, target.path)
+        if figure is None and ".unpinned." in target.path:
+            continue
         rows.append(
             {
                 "target": target.name,
@@ -202,7 +234,7 @@ def show(figure: dict[str, float] | None) -> str:
     return text if low == high else f"{text} [{low}-{high}]"
 
 
-def _rows(summary: Results) -> list[tuple[str, ...]]:  # noqa: C901, PLR0912 (one table, section by section)
+def _rows(summary: Results) -> list[tuple[str, ...]]:  # noqa: C901, PLR0912, PLR0915 (one table, section by section)
     rows: list[tuple[str, ...]] = []
 
     def add(*cells: str) -> None:
@@ -265,6 +297,30 @@ def _rows(summary: Results) -> list[tuple[str, ...]]:  # noqa: C901, PLR0912 (on
             )
     if "lifecycle" in summary:
         add("locks left after the runs", at("lifecycle.locks_left"), "", "")
+    for pin, section in summary.get("overhead", {}).items():
+        base = f"overhead.{pin}"
+        add(
+            f"## sequential, added time in bare EVALSHAs ({pin})",
+            "us without / with",
+            "added (EVALSHAs)",
+            "tasks/s",
+        )
+        add("EVALSHA alone (us)", at(f"{base}.evalsha_us"), "", "")
+        add(
+            "kiq, null broker",
+            f"{at(base + '.null_none_us')} / {at(base + '.null_dedup_us')}",
+            at(f"{base}.kiq_added_round_trips"),
+            "",
+        )
+        for policy in (p.removeprefix("life_").removesuffix("_us") for p in section):
+            if f"life_{policy}_added_round_trips" not in section:
+                continue
+            add(
+                f"life cycle (await_inplace), {policy}",
+                f"{at(base + '.life_none_us')} / {at(f'{base}.life_{policy}_us')}",
+                at(f"{base}.life_{policy}_added_round_trips"),
+                at(f"{base}.life_{policy}_per_s"),
+            )
     trips = summary.get("round_trips", {})
     if trips:
         add(
@@ -273,7 +329,8 @@ def _rows(summary: Results) -> list[tuple[str, ...]]:  # noqa: C901, PLR0912 (on
             "total: trips / writes",
             "EVALSHA (server)",
         )
-        for case in ("succeeded", "failed", "retried_once", "rejected"):
+        cases = [c for c in trips if c.startswith("succeeded")]
+        for case in (*cases, "failed", "retried_once", "rejected"):
             base = f"round_trips.{case}"
             add(
                 case,
@@ -299,6 +356,31 @@ def _rows(summary: Results) -> list[tuple[str, ...]]:  # noqa: C901, PLR0912 (on
                 at(f"{base}.cpu_share_of_core"),
                 at(f"{base}.server_cpu_share_of_core"),
             )
+    drain = summary.get("workers", {}).get("drain", {})
+    if drain:
+        add("## taskiq worker, 2 processes, drain", "without", "with", "with/without")
+        add(
+            f"{at('workers.drain.tasks')} tasks of 1 ms, tasks/s",
+            at("workers.drain.none_per_s"),
+            at("workers.drain.dedup_per_s"),
+            at("workers.drain.ratio"),
+        )
+        add(
+            "worker CPU per task (us)",
+            at("workers.drain.worker_cpu_us_per_task_none"),
+            at("workers.drain.worker_cpu_us_per_task_dedup"),
+            "",
+        )
+        add("locks left after the drains", at("workers.drain.locks_left"), "", "")
+    held = summary.get("workers", {}).get("held", {})
+    if held:
+        add("## taskiq worker, held tasks", "round trips/interval", "CPU share", "Redis CPU")
+        add(
+            f"{at('workers.held.tasks')} running tasks",
+            at("workers.held.round_trips_per_interval"),
+            at("workers.held.cpu_share_of_core"),
+            at("workers.held.server_cpu_share_of_core"),
+        )
     if "memory" in summary:
         add("## Redis memory", "bytes per lock", "MEMORY USAGE", "locks held")
         add(

@@ -19,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import itertools
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -55,6 +57,13 @@ HEARTBEAT_TTL = 3
 HEARTBEAT_INTERVAL = 1.0
 #: How many callers start the tasks of a heartbeat run, and fill Redis with locks.
 FILL_CALLERS = 64
+#: The lock policies of issue 11, each as the labels of its task.
+POLICIES: dict[str, dict[str, Any]] = {
+    "finished": {},
+    "finished+success_ttl": {"deduplication_success_ttl": 60},
+    "started": {"deduplication_until": "started"},
+    "expired": {"deduplication_until": "expired"},
+}
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,11 @@ class Settings:
     memory_locks: int
     round_trip_repeats: int
     lifecycle_duration: float
+    overhead_rounds: int
+    overhead_calls: int
+    worker_tasks: int
+    worker_rounds: int
+    worker_held_tasks: int
 
     @classmethod
     def full(cls) -> Settings:
@@ -84,6 +98,11 @@ class Settings:
             memory_locks=100_000,
             round_trip_repeats=10,
             lifecycle_duration=0.4,
+            overhead_rounds=15,
+            overhead_calls=300,
+            worker_tasks=20_000,
+            worker_rounds=3,
+            worker_held_tasks=10_000,
         )
 
     @classmethod
@@ -99,6 +118,11 @@ class Settings:
             memory_locks=5_000,
             round_trip_repeats=2,
             lifecycle_duration=0.1,
+            overhead_rounds=2,
+            overhead_calls=30,
+            worker_tasks=500,
+            worker_rounds=1,
+            worker_held_tasks=0,  # two more worker starts: left to full runs
         )
 
 
@@ -128,9 +152,14 @@ async def _noop(n: int) -> int:
     return n
 
 
-async def _started(broker: AsyncBroker, name: str = "bench_noop", **labels: Any) -> Kick:
-    """Register the no-op task on ``broker``, start it and return the task's ``kiq``."""
-    task = broker.task(task_name=name, **labels)(_noop)
+async def _started(
+    broker: AsyncBroker,
+    name: str = "bench_noop",
+    function: Callable[[int], Awaitable[int]] = _noop,
+    **labels: Any,
+) -> Kick:
+    """Register ``function`` (the no-op task) on ``broker``, start it, return its ``kiq``."""
+    task = broker.task(task_name=name, **labels)(function)
     await broker.startup()
     return task.kiq
 
@@ -338,12 +367,14 @@ async def rejected(bench: Bench) -> Results:
 async def lifecycle(bench: Bench) -> Results:
     """Tasks per second sent, run and released on ``InMemoryBroker``."""
     settings = bench.settings
-    prefix = bench.prefix("C")
+    prefixes = {policy: bench.prefix("C") for policy in POLICIES}
     none = InMemoryBroker()
-    dedup = InMemoryBroker().with_middlewares(bench.dedup(prefix))
     concurrencies = tuple(c for c in (1, 64) if c in settings.concurrencies)
     variants = [(none, _Variant("none", await _started(none)))]
-    variants.append((dedup, _Variant("dedup", await _started(dedup))))
+    for policy, labels in POLICIES.items():  # "finished", the default, first
+        dedup = InMemoryBroker().with_middlewares(bench.dedup(prefixes[policy]))
+        kick = await _started(dedup, f"bench_{policy}", **labels)
+        variants.append((dedup, _Variant(policy, kick)))
     try:
         for broker, variant in variants:
             await drive(variant.kick, variant.numbers, 4, 0.05)
@@ -361,16 +392,22 @@ async def lifecycle(bench: Bench) -> Results:
     finally:
         for broker, _ in variants:
             await broker.shutdown()
-    (_, without), (_, with_) = variants
-    figures: Results = {
-        str(callers): {
+    (_, without), (_, with_) = variants[:2]
+    figures: Results = {}
+    for callers in concurrencies:
+        row: Results = {
             "none_per_s": median(without.rates[callers]),
             "dedup_per_s": median(with_.rates[callers]),
             "ratio": _paired_ratio(with_.rates[callers], without.rates[callers]),
         }
-        for callers in concurrencies
-    }
-    figures["locks_left"] = bench.probe.count(prefix)
+        for _, variant in variants[1:]:
+            row[f"{variant.name}_per_s"] = median(variant.rates[callers])
+            row[f"{variant.name}_ratio"] = _paired_ratio(
+                variant.rates[callers], without.rates[callers]
+            )
+        figures[str(callers)] = row
+    # The policies that end the lock with the run (or at its start) leave nothing behind.
+    figures["locks_left"] = sum(bench.probe.count(prefixes[p]) for p in ("finished", "started"))
     return figures
 
 
@@ -430,6 +467,11 @@ async def round_trips(bench: Bench) -> Results:
     )
     kicks: dict[str, Kick] = {
         "succeeded": broker.task(task_name="bench_ok")(_noop).kiq,
+        **{
+            f"succeeded_{policy}": broker.task(task_name=f"bench_ok_{policy}", **labels)(_noop).kiq
+            for policy, labels in POLICIES.items()
+            if labels
+        },
         "failed": broker.task(task_name="bench_fail")(fail).kiq,
         "retried_once": broker.task(task_name="bench_flaky", retry_on_error=True, max_retries=2)(
             flaky
@@ -677,3 +719,127 @@ async def limit(bench: Bench) -> Results:
         "evalsha_sequential_us": 1e6 / median(evalsha.rates[1]),
         "pipeline_100_calls_per_s": median(pipelines.rates[1]) * 100,
     }
+
+
+# 8: what a sequential kiq and a sequential life cycle add, in round trips
+
+
+async def _fail(n: int) -> int:
+    msg = f"task {n} fails"
+    raise RuntimeError(msg)
+
+
+def _pinnings(bench: Bench) -> dict[str, set[int]]:
+    """The client's CPU sets: the server's core and another, when the server is pinned here.
+
+    The benchmark's own server is pinned to the first core when it starts. A
+    server elsewhere, or not pinned to one core, gets no pinning: the client
+    runs as it is.
+    """
+    cores = os.sched_getaffinity(0)
+    try:
+        pid = int(bench.probe.info("server")["process_id"])
+        server = os.sched_getaffinity(pid)
+    except (OSError, KeyError, ValueError):
+        return {"unpinned": cores}
+    if len(server) != 1 or len(cores) < 2:
+        return {"unpinned": cores}
+    (core,) = server
+    other = min(cores - server) if cores - server else core
+    return {"same_core": {core}, "other_core": {other}}
+
+
+async def overhead(bench: Bench) -> Results:  # noqa: C901 (variants, pinnings, rounds)
+    """Sequential kiq and life cycle: the time the middleware adds, in bare EVALSHAs.
+
+    Variants, each ``overhead_calls`` sequential calls per round, interleaved
+    with the order flipping every round, and every round once per pinning of
+    this process (on the server's core, on another core):
+
+    - ``limit``: one bare EVALSHA of the acquire script through redis.asyncio;
+    - ``null.none`` / ``null.dedup``: ``kiq`` on the null broker;
+    - ``life.none`` / ``life.<policy>``: ``kiq`` on ``InMemoryBroker(await_inplace=True)``,
+      which runs the task inside ``kiq``: send, run, end of the lock, in one call;
+      ``life.failed`` is a task that raises, under the default policy.
+
+    Each figure is the median over the rounds of ``(with - without) / limit``,
+    per-call times taken moments apart in the same round.
+    """
+    settings = bench.settings
+    kicks: dict[str, Kick] = {}
+    brokers: list[AsyncBroker] = []
+
+    async def add(name: str, broker: AsyncBroker, task: Callable[..., Any], **labels: Any) -> None:
+        brokers.append(broker)
+        kicks[name] = await _started(broker, f"bench_{name}", task, **labels)
+
+    await add("null.none", NullBroker(), _noop)
+    await add("null.dedup", NullBroker().with_middlewares(bench.dedup(bench.prefix("O"))), _noop)
+    await add("life.none", InMemoryBroker(await_inplace=True), _noop)
+    await add("life.none_failed", InMemoryBroker(await_inplace=True), _fail)
+    for policy, labels in POLICIES.items():
+        inplace = InMemoryBroker(await_inplace=True)
+        await add(
+            f"life.{policy}",
+            inplace.with_middlewares(bench.dedup(bench.prefix("I"))),
+            _noop,
+            **labels,
+        )
+    inplace = InMemoryBroker(await_inplace=True)
+    await add("life.failed", inplace.with_middlewares(bench.dedup(bench.prefix("J"))), _fail)
+    pinnings = _pinnings(bench)
+    times: dict[str, dict[str, list[float]]] = {pin: {} for pin in pinnings}
+    original = os.sched_getaffinity(0)
+    numbers = numbers_from()
+    clock = time.perf_counter
+    async with _limit(bench) as limit_kick:
+        kicks["limit"] = limit_kick
+        names = list(kicks)
+        try:
+            for index in range(settings.overhead_rounds):
+                for pin, cores in pinnings.items():
+                    os.sched_setaffinity(0, cores)
+                    for name in names if index % 2 == 0 else names[::-1]:
+                        kick = kicks[name]
+                        if index == 0:  # warm up on this core
+                            for _ in range(20):
+                                await kick(next(numbers))
+                        gc.collect()
+                        started = clock()
+                        for _ in range(settings.overhead_calls):
+                            await kick(next(numbers))
+                        elapsed = clock() - started
+                        times[pin].setdefault(name, []).append(
+                            elapsed / settings.overhead_calls * 1e6
+                        )
+        finally:
+            os.sched_setaffinity(0, original)
+            for broker in brokers:
+                await broker.shutdown()
+    figures: Results = {}
+    for pin, by_name in times.items():
+        limit_us = by_name["limit"]
+
+        def added(
+            name: str,
+            base: str,
+            by_name: dict[str, list[float]] = by_name,
+            limit_us: list[float] = limit_us,
+        ) -> float:
+            pairs = zip(by_name[name], by_name[base], limit_us, strict=True)
+            return median([(a - b) / c for a, b, c in pairs])
+
+        row: Results = {
+            "evalsha_us": median(limit_us),
+            "null_none_us": median(by_name["null.none"]),
+            "null_dedup_us": median(by_name["null.dedup"]),
+            "kiq_added_round_trips": added("null.dedup", "null.none"),
+            "life_none_us": median(by_name["life.none"]),
+        }
+        for policy in (*POLICIES, "failed"):
+            base = "life.none_failed" if policy == "failed" else "life.none"
+            row[f"life_{policy}_us"] = median(by_name[f"life.{policy}"])
+            row[f"life_{policy}_per_s"] = 1e6 / median(by_name[f"life.{policy}"])
+            row[f"life_{policy}_added_round_trips"] = added(f"life.{policy}", base)
+        figures[pin] = row
+    return figures
