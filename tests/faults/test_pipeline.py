@@ -291,3 +291,40 @@ async def test_a_script_cache_lost_again_and_again_during_a_burst_fails_no_kiq(
     with admin(server.port) as client:
         assert len(lock_keys(client, prefix)) == 2000
     await broker.shutdown()
+
+
+# Writing ahead to a Redis that does not read
+
+
+async def test_extensions_written_ahead_to_a_redis_that_stopped_reading_all_land_in_order(
+    server: Server,
+) -> None:
+    # Big keys fill the socket's buffers while Redis is paused (for less than
+    # the socket timeout), so that the writes ahead stop going out at once and
+    # queue behind a bounded write that waits for Redis to read again.
+    client = redis.asyncio.Redis.from_url(server.url + "?socket_timeout=5")
+    store = LockStore(client)
+    await store.load_scripts()
+    locks = [Lock(f"t:{n:03}:" + "k" * 65_536, f"tok{n}", f"task{n}", 120_000) for n in range(300)]
+    with admin(server.port) as admin_client:
+        for lock in locks:
+            admin_client.set(lock.key, lock.value, px=30_000)
+        server.pause()
+        try:
+            for lock in locks:
+                await store.extend_detached(lock)
+            # The last task ends: its release must not be overtaken by its extension.
+            store.release_detached(locks[-1])
+            await asyncio.sleep(0.5)
+        finally:
+            server.resume()
+
+        async def all_landed() -> bool:
+            extended = all(admin_client.pttl(lock.key) > 30_000 for lock in locks[:-1])
+            return extended and admin_client.get(locks[-1].key) is None
+
+        await wait_until(all_landed, timeout=15, interval=0.2)
+        assert store.backlog == 0
+        admin_client.delete(*(lock.key for lock in locks[:-1]))
+    await store.close()
+    await client.aclose()
