@@ -69,13 +69,16 @@ async def test_a_send_without_deduplication_is_off(
     assert events == [LockEvent(OFF, job.task_name, sent.task_id, None, None)]
 
 
-async def test_fail_open_tells_the_redis_error(make_broker: BrokerFactory) -> None:
+@pytest.mark.parametrize("merging", [False, True], ids=["plain", "merging"])
+async def test_fail_open_tells_the_redis_error(merging: bool) -> None:
     dead = "redis://127.0.0.1:1/0?socket_connect_timeout=0.5"
     middleware = RedisDeduplicationMiddleware(redis_url=dead, fail_open=True)
     events = record(middleware)
     broker = HoldingBroker().with_middlewares(middleware)
+    # A task that merges its calls takes its lock with a script of its own.
+    labels = {"deduplication_merge": "latest"} if merging else {}
 
-    @broker.task
+    @broker.task(task_name=None, **labels)
     async def job() -> None: ...
 
     sent = await job.kiq()

@@ -20,35 +20,32 @@ import base64
 import contextvars
 import enum
 import logging
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from taskiq import TaskiqMessage, TaskiqMiddleware, TaskiqResult
 
+from taskiq_deduplication import _keys as keys
 from taskiq_deduplication import _labels as labels
 from taskiq_deduplication import _options as options
 from taskiq_deduplication import _refusals
 from taskiq_deduplication import _tracing as tracing
 from taskiq_deduplication._client import client_from_url
 from taskiq_deduplication._execution import Execution, Executions, Resent
-from taskiq_deduplication._fingerprint import call_fingerprint, fields_fingerprint
 from taskiq_deduplication._formats import (
     RecordedLock,
-    arguments_digest,
     drop_lock_labels,
     fence_key,
     holder_task_id,
-    lock_key,
     merge_key,
     new_token,
     read_lock_labels,
-    token_digest,
     write_lock_labels,
 )
 from taskiq_deduplication._heartbeat import Beat
 from taskiq_deduplication._lock import REDIS_ERRORS, Acquired, Claimed, Lock, Reasserted
-from taskiq_deduplication._loops import LoopStates
+from taskiq_deduplication._loops import LoopState, LoopStates
 from taskiq_deduplication._metrics import Metrics, process_metrics
 from taskiq_deduplication._policies import FINISHED, POLICIES, RetrySend, Step
 from taskiq_deduplication.events import EventSink, LockEventKind, Subscriber
@@ -59,7 +56,7 @@ from taskiq_deduplication.exceptions import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
 
     from pydantic import RedisDsn
     from redis.asyncio import Redis
@@ -70,6 +67,8 @@ if TYPE_CHECKING:
 __all__ = ["RedisDeduplicationMiddleware"]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 #: How long the lock of a send in flight lives before the broker accepts it.
 GRACE_TTL: Final = 10
@@ -334,8 +333,10 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         policy = send.policy
         if earlier is not None and policy.retry is RetrySend.KEEP:
             return self._keep(message, earlier, running, send)
-        key = earlier.key if earlier is not None else self._lock_key(message, send)
-        digest = self._arguments_digest(message, send)
+        key = (
+            earlier.key if earlier is not None else keys.lock_key_of(self.key_prefix, message, send)
+        )
+        digest = keys.arguments_digest_of(message, send)
         lock = Lock(key, new_token(digest), message.task_id, send.ttl * 1000)
         grace_ms = min(GRACE_TTL, send.ttl) * 1000
         acquired: Acquired | None = None
@@ -533,10 +534,25 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         call gave up (a timeout, a cancelled caller) is undone.
         """
         state = self._states.get() or await self._states.current()
-        try:
-            return await state.locks.acquire(
+        return await self._guarded(
+            state,
+            lock,
+            message,
+            state.locks.acquire(
                 lock, grace_ms, replaces=earlier.value if earlier is not None else ""
-            )
+            ),
+        )
+
+    async def _guarded(
+        self, state: LoopState, lock: Lock, message: TaskiqMessage, acquire: Awaitable[_T]
+    ) -> _T | _FailedOpen:
+        """Await ``acquire``: a Redis error raises, or with ``fail_open`` gives ``_FAILED_OPEN``.
+
+        An acquire that may still land in Redis after the call gave up (a
+        timeout, a cancelled caller) is undone.
+        """
+        try:
+            return await acquire
         except REDIS_ERRORS as exc:
             if isinstance(exc, (RedisTimeoutError, asyncio.TimeoutError)):
                 state.locks.release_detached(lock)
@@ -636,7 +652,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
     ) -> DuplicateTaskError:
         """The error for a call refused (or merged) because ``holder`` holds its lock."""
         holder_id = holder_task_id(holder)
-        same = self._same_arguments(holder, digest, send)
+        same = keys.same_arguments(holder, digest, send)
         merged = acquired is not None and acquired.merged
         if merged:
             logger.info(
@@ -693,8 +709,11 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 "that its lock and the keys beside it share a slot"
             )
             raise InvalidSettingError(msg)
-        try:
-            return await state.locks.acquire_with(
+        return await self._guarded(
+            state,
+            lock,
+            message,
+            state.locks.acquire_with(
                 lock,
                 grace_ms,
                 replaces=earlier.value if earlier is not None else "",
@@ -703,25 +722,8 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 fence_key=(
                     fence_key(self.key_prefix) if self._wants_fence(message.task_name) else None
                 ),
-            )
-        except REDIS_ERRORS as exc:
-            if isinstance(exc, (RedisTimeoutError, asyncio.TimeoutError)):
-                state.locks.release_detached(lock)
-            if not self.fail_open:
-                raise
-            logger.warning(
-                "Could not take deduplication lock %r for task %s (%s): %s: %s; "
-                "sending it without a lock (fail_open)",
-                lock.key,
-                message.task_name,
-                message.task_id,
-                type(exc).__name__,
-                exc,
-            )
-            return _FAILED_OPEN
-        except asyncio.CancelledError:
-            state.locks.release_detached(lock)
-            raise
+            ),
+        )
 
     async def _claim(
         self, execution: Execution, recorded: RecordedLock, message: TaskiqMessage
@@ -791,25 +793,6 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         recorded = read_lock_labels(message.labels, message.task_id)
         return None if recorded is None else recorded.fence
 
-    @staticmethod
-    def _arguments_digest(message: TaskiqMessage, send: labels.SendOptions) -> str | None:
-        """The digest of the call's full arguments, for a lock under a key or key fields."""
-        if send.key is None and send.key_fields is None:
-            return None  # the lock's key is the full arguments' fingerprint already
-        try:
-            fingerprint = call_fingerprint(message.task_name, message.args, message.kwargs)
-        except (TypeError, ValueError):
-            return None
-        return arguments_digest(fingerprint)
-
-    @staticmethod
-    def _same_arguments(holder: str, digest: str | None, send: labels.SendOptions) -> bool | None:
-        """Whether a refused call's arguments equal the holder's, when that can be known."""
-        if send.key is None and send.key_fields is None:
-            return True
-        theirs = token_digest(holder)
-        return None if digest is None or theirs is None else theirs == digest
-
     # The run's lock, as a task sees it (TaskLock)
 
     def _run_of(self, task_id: str) -> Execution | None:
@@ -844,32 +827,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         on a bad label or arguments that cannot be fingerprinted.
         """
         send = labels.read_send_options(message.labels, self._defaults)
-        return None if send is None else self._lock_key(message, send)
-
-    def _lock_key(self, message: TaskiqMessage, send: labels.SendOptions) -> str:
-        if send.key is not None:
-            return lock_key(self.key_prefix, send.key)
-        if send.key_fields is None:
-            digest = call_fingerprint(message.task_name, message.args, message.kwargs)
-            return lock_key(self.key_prefix, digest)
-        if message.args:
-            logger.warning(
-                "Task %s is called with positional arguments, which %s leaves out of "
-                "its lock key: pass %s as keyword arguments",
-                message.task_name,
-                labels.KEY_FIELDS_LABEL,
-                ", ".join(send.key_fields),
-            )
-        present = {name: message.kwargs[name] for name in send.key_fields if name in message.kwargs}
-        for name in send.key_fields:
-            if name not in present:
-                logger.warning(
-                    "Key field %r of task %s is missing from its keyword arguments; "
-                    "left out of the lock key, so different calls may collide",
-                    name,
-                    message.task_name,
-                )
-        return lock_key(self.key_prefix, fields_fingerprint(message.task_name, present))
+        return None if send is None else keys.lock_key_of(self.key_prefix, message, send)
 
     @staticmethod
     def _lock_of(message: TaskiqMessage) -> Lock | None:
