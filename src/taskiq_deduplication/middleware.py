@@ -500,19 +500,24 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         if step is Step.EXTEND:
             await locks.extend_detached(lock)
             return
+        # The send's own post_send may still be to come (a worker in the sending
+        # process): from the moment the end is on its way, it must not extend
+        # the lock, or a success TTL would be stretched back to the full TTL.
+        ending = step is not Step.REASSERT and lock.token in self._sends
+        if ending:
+            self._sends[lock.token] = True
         try:
             if step is Step.REASSERT:
                 await locks.reassert([lock])
-                return
-            if step is Step.REMEMBER and execution.success_ttl:
+            elif step is Step.REMEMBER and execution.success_ttl:
                 await locks.extend(lock, execution.success_ttl * 1000)
             elif await locks.release(lock):
                 self._events.emit(
                     LockEventKind.RELEASED, message.task_name, message.task_id, lock.key, None
                 )
-            if lock.token in self._sends:  # its own post_send is still to come
-                self._sends[lock.token] = True
         except REDIS_ERRORS as exc:
+            if ending and lock.token in self._sends:  # the end failed: extend after all
+                self._sends[lock.token] = False
             logger.warning(
                 "Could not %s lock %r of task %s (%s): %s: %s; it expires in %ds",
                 "keep" if step is Step.REMEMBER and execution.success_ttl else _VERBS[step],

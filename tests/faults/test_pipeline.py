@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 import redis.asyncio
 import redis.exceptions
-from taskiq import BrokerMessage, InMemoryBroker
+from taskiq import BrokerMessage, InMemoryBroker, TaskiqMessage, TaskiqMiddleware
 
 from taskiq_deduplication import RedisDeduplicationMiddleware
 from taskiq_deduplication._lock import Lock, LockStore
@@ -328,3 +328,49 @@ async def test_extensions_written_ahead_to_a_redis_that_stopped_reading_all_land
         admin_client.delete(*(lock.key for lock in locks[:-1]))
     await store.close()
     await client.aclose()
+
+
+# The end of a run in the sending process, and that send's own extension
+
+
+class _SlowPostSend(TaskiqMiddleware):
+    """Holds ``post_send`` back until the run has ended and its lock's end is on its way."""
+
+    def __init__(self, ended: asyncio.Event) -> None:
+        super().__init__()
+        self.ended = ended
+
+    async def post_send(self, message: TaskiqMessage) -> None:
+        await self.ended.wait()
+        await asyncio.sleep(0.1)  # the keep is sent, Redis is still asleep
+
+
+async def test_a_success_ttl_is_not_stretched_by_an_extension_sent_while_it_is_kept(
+    debug_server: Server, prefix: str
+) -> None:
+    # A worker in the sending process (a retry's run, an in-memory broker) can
+    # end the run before the send's post_send: the extension must not follow
+    # the keep, or the lock would live the full TTL instead of the success TTL.
+    ended = asyncio.Event()
+    other = redis.asyncio.Redis.from_url(debug_server.url)
+    middleware = RedisDeduplicationMiddleware(debug_server.url, key_prefix=prefix)
+    broker = InMemoryBroker().with_middlewares(middleware, _SlowPostSend(ended))
+    await broker.startup()
+    sleeping: list[asyncio.Task[object]] = []
+
+    @broker.task(deduplication_ttl=300, deduplication_success_ttl=5)
+    async def charge(order_id: str) -> str:
+        command = other.execute_command("DEBUG", "SLEEP", "0.3")  # type: ignore[no-untyped-call]
+        sleeping.append(asyncio.create_task(command))
+        await asyncio.sleep(0.05)  # Redis sleeps: the keep will wait for it
+        asyncio.get_running_loop().call_later(0.05, ended.set)
+        return f"receipt for {order_id}"
+
+    await charge.kiq(order_id="A-1")
+    await broker.wait_all()
+    await asyncio.gather(*sleeping)
+    await middleware.shutdown()  # sends whatever is still queued
+    with admin(debug_server.port) as admin_client:
+        (key,) = lock_keys(admin_client, prefix)
+        assert 0 < admin_client.pttl(key) <= 5_000
+    await other.aclose()
