@@ -195,11 +195,7 @@ class LockStore:
             arguments: The call's serialised arguments, for a task that merges.
             fence_key: The counter to draw a fence from, for a task that takes one.
         """
-        keys = [lock.key]
-        if merge_key is not None:
-            keys.append(merge_key)
-        if fence_key is not None:
-            keys.append(fence_key)
+        keys = _keys_of(lock, merge_key, fence_key)
         args: list[str | int] = [
             lock.token,
             lock.task_id,
@@ -239,11 +235,7 @@ class LockStore:
             debounce: The quiet period and the maximum wait, in milliseconds.
             fence_key: The fence counter, for a lock that has a fence.
         """
-        keys = [lock.key]
-        if merge_key is not None:
-            keys.append(merge_key)
-        if fence_key is not None:
-            keys.append(fence_key)
+        keys = _keys_of(lock, merge_key, fence_key)
         args: list[str | int] = [
             lock.value,
             lock.ttl_ms,
@@ -335,6 +327,11 @@ class LockStore:
     async def close(self) -> None:
         """Send what is queued and give the connection back; the client stays open."""
         await self._pipeline.close()
+
+
+def _keys_of(lock: Lock, merge_key: str | None, fence_key: str | None) -> list[str]:
+    """The keys of a script that may touch, besides the lock, its merged arguments and fence."""
+    return [lock.key, *(key for key in (merge_key, fence_key) if key is not None)]
 
 
 def call_timeout(client: RedisClient) -> float:
