@@ -8,7 +8,16 @@ refuses every message, as a broker that is down does.
 
 from __future__ import annotations
 
-from taskiq import BrokerMessage, InMemoryBroker
+from typing import Any
+
+from taskiq import (
+    BrokerMessage,
+    InMemoryBroker,
+    ScheduledTask,
+    ScheduleSource,
+    SmartRetryMiddleware,
+    TaskiqMiddleware,
+)
 
 
 class HoldingBroker(InMemoryBroker):
@@ -24,8 +33,11 @@ class HoldingBroker(InMemoryBroker):
     async def deliver(self) -> None:
         """Run every queued message through the worker side, one after the other."""
         while self.queued:
-            message = self.queued.pop(0)
-            await self.receiver.callback(message=message.message)
+            await self.deliver_one()
+
+    async def deliver_one(self) -> None:
+        """Run the oldest queued message; what it sends stays queued."""
+        await self.receiver.callback(message=self.queued.pop(0).message)
 
 
 class BrokerDownError(ConnectionError):
@@ -38,3 +50,24 @@ class RefusingBroker(InMemoryBroker):
     async def kick(self, message: BrokerMessage) -> None:
         msg = f"broker unreachable, {message.task_name} not queued"
         raise BrokerDownError(msg)
+
+
+class KeptSchedules(ScheduleSource):
+    """A schedule source that keeps what is added, for the test to fire by hand."""
+
+    def __init__(self) -> None:
+        self.schedules: list[ScheduledTask] = []
+
+    async def get_schedules(self) -> list[ScheduledTask]:
+        return list(self.schedules)
+
+    async def add_schedule(self, schedule: ScheduledTask) -> None:
+        self.schedules.append(schedule)
+
+
+def retry_middleware(retry_class: type[TaskiqMiddleware]) -> TaskiqMiddleware:
+    """A retry middleware of ``retry_class`` that sends each retry at once, up to 5 attempts."""
+    options: dict[str, Any] = {"default_retry_count": 5}
+    if retry_class is SmartRetryMiddleware:
+        options |= {"default_delay": 0, "use_jitter": False, "use_delay_exponent": False}
+    return retry_class(**options)

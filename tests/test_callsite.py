@@ -33,7 +33,7 @@ from taskiq_deduplication import (
     kiq_or_join,
 )
 from taskiq_deduplication.calls import takes_task_lock
-from tests._brokers import HoldingBroker
+from tests._brokers import HoldingBroker, retry_middleware
 from tests._server import Server
 from tests.conftest import (
     BrokerFactory,
@@ -43,7 +43,6 @@ from tests.conftest import (
     lock_value,
     running_beats,
 )
-from tests.test_policies import _retry_middleware, deliver_one
 from tests.test_redis_trouble import FAST
 
 
@@ -242,10 +241,10 @@ async def test_once_the_holder_runs_a_call_is_handled_as_its_policy_says(
 
     await finished_sync.kiq(n=1)
     await started_sync.kiq(n=1)
-    await deliver_one(broker)
+    await broker.deliver_one()
     refused = during[0]
     assert not refused.merged  # the holder runs: refused, not merged
-    await deliver_one(broker)
+    await broker.deliver_one()
     assert during[2].merged
     assert during[2].holder_task_id == during[1].task_id
     (queued,) = broker.queued
@@ -282,7 +281,7 @@ async def test_merges_under_retries_run_the_latest_arguments_and_free_the_lock(
     retry_class: type[TaskiqMiddleware],
     retry_first: bool,
 ) -> None:
-    retry, dedup = _retry_middleware(retry_class), make_middleware()
+    retry, dedup = retry_middleware(retry_class), make_middleware()
     broker = await make_broker(
         broker_class=HoldingBroker, middlewares=[retry, dedup] if retry_first else [dedup, retry]
     )
@@ -302,7 +301,7 @@ async def test_merges_under_retries_run_the_latest_arguments_and_free_the_lock(
     assert (await refusal(lambda: sync.kiq(user_id=1, version=2))).merged
     version = 2
     while broker.queued:
-        await deliver_one(broker)
+        await broker.deliver_one()
         if broker.queued:  # a retry waits in the queue: the latest call merges into it
             version += 1
             caught = await refusal(lambda: sync.kiq(user_id=1, version=version))  # noqa: B023
@@ -328,7 +327,7 @@ async def test_a_requeued_merge_runs_with_the_arguments_it_ran_with(
 
     await job.kiq(version=1)
     await refusal(lambda: job.kiq(version=2))
-    await deliver_one(broker)  # runs version 2, requeues it
+    await broker.deliver_one()  # runs version 2, requeues it
     assert not (await refusal(lambda: job.kiq(version=3))).merged  # claimed already
     await broker.deliver()
     assert runs == [2, 2]
@@ -351,7 +350,7 @@ async def test_a_debounced_burst_runs_once_after_the_quiet_period(
 
     await reindex.kiq(doc_id="d", revision=0)
     await redis_client.config_resetstat()
-    delivery = asyncio.create_task(deliver_one(broker))  # a worker takes it and waits
+    delivery = asyncio.create_task(broker.deliver_one())  # a worker takes it and waits
     last_call = 0.0
     for revision in range(1, 6):
         await asyncio.sleep(0.05)
@@ -381,7 +380,7 @@ async def test_a_steady_stream_runs_by_the_maximum_wait(
         ran.append(revision)
 
     await reindex.kiq(revision=0)
-    delivery = asyncio.create_task(deliver_one(broker))
+    delivery = asyncio.create_task(broker.deliver_one())
     revision = 0
     # A call every 0.1 s for three times the maximum wait: never quiet for 0.3 s.
     for _ in range(24):
@@ -416,12 +415,12 @@ async def test_a_debounced_retry_runs_at_once(
             raise RuntimeError(msg)
 
     await job.kiq(n=1)
-    await deliver_one(broker)  # waits out the quiet period, fails; the retry is queued
+    await broker.deliver_one()  # waits out the quiet period, fails; the retry is queued
     # The queued retry takes the latest call, and runs as soon as it is taken:
     # its claim at the start is one round trip, with no wake-up.
     assert (await refusal(lambda: job.kiq(n=2))).merged
     await redis_client.config_resetstat()
-    await deliver_one(broker)
+    await broker.deliver_one()
     assert runs == [1, 2]
     await dedup.shutdown()
     assert await scripts_run(redis_client) == 2  # the claim and the release
@@ -535,7 +534,7 @@ async def test_fences_under_retries(
     retry_first: bool,
     until: str,
 ) -> None:
-    retry, dedup = _retry_middleware(retry_class), make_middleware()
+    retry, dedup = retry_middleware(retry_class), make_middleware()
     broker = await make_broker(
         broker_class=HoldingBroker, middlewares=[retry, dedup] if retry_first else [dedup, retry]
     )
@@ -550,7 +549,7 @@ async def test_fences_under_retries(
 
     await job.kiq()
     while broker.queued:
-        await deliver_one(broker)
+        await broker.deliver_one()
         if broker.queued:
             await refusal(job.kiq)
     assert [held for _, held in fences] == [True] * 3

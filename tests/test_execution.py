@@ -10,8 +10,6 @@ import pytest
 import redis.asyncio
 from taskiq import (
     Context,
-    ScheduledTask,
-    ScheduleSource,
     SimpleRetryMiddleware,
     SmartRetryMiddleware,
     TaskiqDepends,
@@ -22,7 +20,7 @@ from taskiq import (
 )
 
 from taskiq_deduplication import DuplicateTaskError
-from tests._brokers import HoldingBroker
+from tests._brokers import HoldingBroker, KeptSchedules, retry_middleware
 from tests.conftest import (
     BrokerFactory,
     MiddlewareFactory,
@@ -321,10 +319,7 @@ async def test_a_retry_is_not_a_duplicate_of_itself(
     retry_class: type[TaskiqMiddleware],
     retry_first: bool,
 ) -> None:
-    options: dict[str, Any] = {"default_retry_count": 5}
-    if retry_class is SmartRetryMiddleware:
-        options |= {"default_delay": 0, "use_jitter": False, "use_delay_exponent": False}
-    retry = retry_class(**options)
+    retry = retry_middleware(retry_class)
     dedup = make_middleware()
     broker = await make_broker(middlewares=[retry, dedup] if retry_first else [dedup, retry])
     attempts: list[str] = []
@@ -483,19 +478,6 @@ async def test_inplace_broker_runs_hooks_inside_kiq(
     await dedup_middleware(broker).shutdown()
     assert await lock_keys(redis_client, prefix) == []
     await parent.kiq()  # the parent's lock went too, and the late extension revived nothing
-
-
-class KeptSchedules(ScheduleSource):
-    """A schedule source that keeps what is added, for the test to fire by hand."""
-
-    def __init__(self) -> None:
-        self.schedules: list[ScheduledTask] = []
-
-    async def get_schedules(self) -> list[ScheduledTask]:
-        return list(self.schedules)
-
-    async def add_schedule(self, schedule: ScheduledTask) -> None:
-        self.schedules.append(schedule)
 
 
 async def test_a_retry_left_to_a_schedule_source_keeps_the_lock_between_attempts(

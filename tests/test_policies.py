@@ -21,7 +21,7 @@ from taskiq import (
 )
 
 from taskiq_deduplication import DeduplicationError, DuplicateTaskError
-from tests._brokers import HoldingBroker
+from tests._brokers import HoldingBroker, KeptSchedules, retry_middleware
 from tests.conftest import (
     BrokerFactory,
     MiddlewareFactory,
@@ -30,7 +30,6 @@ from tests.conftest import (
     lock_value,
     running_beats,
 )
-from tests.test_execution import KeptSchedules
 
 # The labels of each policy under test, and the table of docs/usage.md: whether
 # a second identical call is refused while the first is queued, while it runs,
@@ -90,11 +89,6 @@ async def test_what_counts_as_a_duplicate(
         (key,) = await lock_keys(redis_client, broker_prefix(broker))
         assert (await lock_value(redis_client, key)).endswith(" " + first.task_id)
         assert (await first.wait_result(timeout=5)).return_value == "done"
-
-
-async def deliver_one(broker: HoldingBroker) -> None:
-    """Run the oldest queued message; what it sends stays queued."""
-    await broker.receiver.callback(message=broker.queued.pop(0).message)
 
 
 def broker_prefix(broker: Any) -> str:
@@ -170,7 +164,7 @@ async def test_started_releases_at_start_with_no_heartbeat(
         during.append(second.task_id)
 
     first = await refresh.kiq()
-    await deliver_one(broker)
+    await broker.deliver_one()
     assert during[:2] == [[], 0]
     # The copy queued while the first ran holds the lock now; it runs once.
     (key,) = await lock_keys(redis_client, prefix)
@@ -202,13 +196,6 @@ async def test_expired_leaves_the_lock_to_its_ttl_however_the_run_ends(
     assert sent.task_id in holders  # the failed run's lock is there too
 
 
-def _retry_middleware(retry_class: type[TaskiqMiddleware]) -> TaskiqMiddleware:
-    options: dict[str, Any] = {"default_retry_count": 5}
-    if retry_class is SmartRetryMiddleware:
-        options |= {"default_delay": 0, "use_jitter": False, "use_delay_exponent": False}
-    return retry_class(**options)
-
-
 @pytest.mark.parametrize("retry_first", [True, False], ids=["retry-first", "dedup-first"])
 @pytest.mark.parametrize("retry_class", [SimpleRetryMiddleware, SmartRetryMiddleware])
 @pytest.mark.parametrize("policy", POLICIES)
@@ -221,7 +208,7 @@ async def test_a_retry_is_never_its_own_duplicate_nor_lost(
     retry_class: type[TaskiqMiddleware],
     retry_first: bool,
 ) -> None:
-    retry, dedup = _retry_middleware(retry_class), make_middleware()
+    retry, dedup = retry_middleware(retry_class), make_middleware()
     broker = await make_broker(
         broker_class=HoldingBroker, middlewares=[retry, dedup] if retry_first else [dedup, retry]
     )
@@ -240,7 +227,7 @@ async def test_a_retry_is_never_its_own_duplicate_nor_lost(
     expected_lock = await lock_keys(redis_client, prefix)
     value = await lock_value(redis_client, expected_lock[0])
     while broker.queued:
-        await deliver_one(broker)
+        await broker.deliver_one()
         # Between attempts, the retry waits in the queue: a new call is refused
         # while it holds the lock (every policy counts a queued copy).
         if broker.queued:
@@ -340,7 +327,7 @@ async def test_a_requeue_under_each_policy(
             await context.requeue()
 
     await job.kiq()
-    await deliver_one(broker)  # requeues
+    await broker.deliver_one()  # requeues
     assert len(broker.queued) == 1
     await dedup_middleware(broker).shutdown()
     # The requeued copy waits in the queue holding the lock, as a new one would.
