@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from taskiq_deduplication.events import LockEvent, LockEventKind
@@ -48,16 +48,30 @@ class Metrics:
     lock_events: Any
     held_locks: Any
     redis_seconds: Any
+    _counters: dict[tuple[LockEventKind, str], Any] = field(default_factory=dict, repr=False)
+    """The labelled counter of each event kind and task name, looked up once."""
 
     def record(self, event: LockEvent) -> None:
         """Count ``event``: a subscriber of every middleware that records metrics."""
-        outcome = _SENDS.get(event.kind)
+        counter = self._counters.get((event.kind, event.task_name))
+        if counter is None:
+            counter = self._counter(event.kind, event.task_name)
+            if counter is None:
+                return
+        counter.inc()
+
+    def _counter(self, kind: LockEventKind, task_name: str) -> Any:  # noqa: ANN401 (a prometheus child)
+        """The counter that counts events of ``kind`` for ``task_name``, if one does."""
+        outcome = _SENDS.get(kind)
         if outcome is not None:
-            self.sends.labels(event.task_name, outcome).inc()
-            return
-        name = _LOCK_EVENTS.get(event.kind)
-        if name is not None:
-            self.lock_events.labels(event.task_name, name).inc()
+            counter = self.sends.labels(task_name, outcome)
+        elif kind in _LOCK_EVENTS:
+            counter = self.lock_events.labels(task_name, _LOCK_EVENTS[kind])
+        else:
+            return None
+        # Bounded by the task names the process knows, times the event kinds.
+        self._counters[kind, task_name] = counter
+        return counter
 
     def held(self, change: int) -> None:
         """Count ``change`` more (or fewer) locks kept alive by a heartbeat."""
