@@ -280,16 +280,29 @@ class LockStore:
             return
         self._pipeline.queue(self._release, [lock.key], [lock.token], f"release lock {lock.key!r}")
 
-    async def extend(self, lock: Lock, ttl_ms: int) -> bool:
-        """Give ``lock`` a TTL of ``ttl_ms`` if still owned; return whether it was."""
-        return bool(await self._pipeline.call(self._extend, [lock.key], [lock.token, ttl_ms]))
+    async def extend(self, lock: Lock, ttl_ms: int, *, linger: float = 0.0) -> bool:
+        """Give ``lock`` a TTL of ``ttl_ms`` if still owned; return whether it was.
 
-    async def release(self, lock: Lock) -> bool:
-        """Release ``lock`` if still owned; return whether it was."""
-        return bool(await self._pipeline.call(self._release, [lock.key], [lock.token]))
+        ``linger``: seconds the call may wait to share a round trip (see `Pipeline.call`).
+        """
+        return bool(
+            await self._pipeline.call(self._extend, [lock.key], [lock.token, ttl_ms], linger=linger)
+        )
 
-    async def reassert(self, locks: Sequence[Lock]) -> list[int | str]:
+    async def release(self, lock: Lock, *, linger: float = 0.0) -> bool:
+        """Release ``lock`` if still owned; return whether it was.
+
+        ``linger``: seconds the call may wait to share a round trip (see `Pipeline.call`).
+        """
+        return bool(
+            await self._pipeline.call(self._release, [lock.key], [lock.token], linger=linger)
+        )
+
+    async def reassert(self, locks: Sequence[Lock], *, linger: float = 0.0) -> list[int | str]:
         """Refresh each lock still owned, take back each that vanished.
+
+        ``linger``: seconds a call for one lock may wait to share a round trip
+        (see `Pipeline.call`); the calls for many locks go at once.
 
         Returns:
             Per lock: `Reasserted.REFRESHED`, `Reasserted.TAKEN_BACK`,
@@ -310,7 +323,7 @@ class LockStore:
                 order += chunk
         # All of them go in one batch: a heartbeat tick is one round trip.
         if len(calls) == 1:  # a run that begins: no futures to gather
-            replies = [await self._pipeline.call(*calls[0])]
+            replies = [await self._pipeline.call(*calls[0], linger=linger)]
         else:
             replies = await self._pipeline.call_many(calls)
         outcomes: list[int | str] = [0] * len(locks)

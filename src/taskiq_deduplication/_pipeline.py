@@ -95,6 +95,11 @@ class Pipeline:
     go out together in the next one, sent by a background task, which also
     makes every (re)connection: a caller never waits for a connect.
 
+    A call that may linger (a run's start or end while other runs go on) and
+    follows such a call closely does not go at once: it waits, up to its
+    linger time, for the next batch, so the starts and ends of many short runs
+    share round trips instead of taking one each.
+
     A call nobody waits for (the lock extension after a send) is written to the
     connection at once when the pipeline is idle, so it reaches Redis even if the
     process ends right after ``kiq``; its reply is read with the next batch.
@@ -138,6 +143,8 @@ class Pipeline:
         self._busy = False
         self._closed = False
         self._sender: asyncio.Task[None] | None = None
+        self._flush: asyncio.TimerHandle | None = None  # ends the wait of lingering calls
+        self._last_lingering = float("-inf")  # when the last call that may linger came
         self._dropped = 0  # calls nobody waits for, dropped since the last warning
         self._next_drop_warning = 0.0
 
@@ -147,9 +154,23 @@ class Pipeline:
         return len(self._queue)
 
     async def call(
-        self, script: AsyncScript, keys: Sequence[str], args: Sequence[str | int]
+        self,
+        script: AsyncScript,
+        keys: Sequence[str],
+        args: Sequence[str | int],
+        *,
+        linger: float = 0.0,
     ) -> Any:  # noqa: ANN401 (a script's reply)
         """Send a script call and return its reply.
+
+        Args:
+            script: The script to run.
+            keys: Its keys.
+            args: Its arguments.
+            linger: Seconds the call may wait for company, when calls that
+                may linger come this often (the starts and ends of many runs):
+                it then goes with the next batch that goes out, or once that
+                time is up, and so shares its round trip. ``0``: at once.
 
         Raises:
             CallTimeoutError: No reply within ``timeout`` seconds of the call.
@@ -157,8 +178,17 @@ class Pipeline:
             redis.exceptions.RedisError: Redis failed otherwise.
         """
         loop = asyncio.get_running_loop()
+        now = loop.time()
         future: asyncio.Future[Any] = loop.create_future()
-        self._admit(_Call(script, keys, args, future, loop.time() + self.timeout), loop)
+        self._admit(_Call(script, keys, args, future, now + self.timeout), loop)
+        if linger:
+            # Only a call that follows another one that could linger closely
+            # waits: a lone run's start and end go at once, as every call does.
+            company, self._last_lingering = now - self._last_lingering < linger, now
+            if company:
+                if self._flush is None:
+                    self._flush = loop.call_at(now + linger, self._flush_lingering)
+                return await future
         # Sent from this task only over a connection that is open already: the
         # write follows the call at once and redis-py reads within socket_timeout,
         # so this caller is done by about its deadline. A (re)connect can take a
@@ -302,6 +332,11 @@ class Pipeline:
             self._busy = False
             self._send_backlog()
 
+    def _flush_lingering(self) -> None:
+        """Send the calls that waited for company (unless a batch took them already)."""
+        self._flush = None
+        self._send_backlog()
+
     # Admission and expiry
 
     def _admit(self, call: _Call, loop: asyncio.AbstractEventLoop) -> None:
@@ -408,9 +443,10 @@ class Pipeline:
     def _shut(self) -> None:
         """Stop sending: fail what is queued or written ahead, stop the background sender."""
         self._closed = True
-        if self._expiry is not None:
-            self._expiry.cancel()
-            self._expiry = None
+        for timer in (self._expiry, self._flush):
+            if timer is not None:
+                timer.cancel()
+        self._expiry = self._flush = None
         if self._sender is not None:
             # The batch it has on the wire comes back through _resend and fails.
             self._sender.cancel()
@@ -639,7 +675,7 @@ class _Connection:
             return False
         connection = self._held
         assert connection is not None  # noqa: S101 (ready says so)
-        if not _write_at_once(connection, connection.pack_commands(commands)):
+        if not _write_at_once(connection, _pack(connection, commands)):
             return False
         self._unread += len(commands)
         return True
@@ -647,7 +683,7 @@ class _Connection:
     async def write(self, commands: list[Command]) -> None:
         connection = await self._begin_operation()
         try:
-            await _send(connection, connection.pack_commands(commands))
+            await _send(connection, _pack(connection, commands))
             self._unread += len(commands)
         except BaseException:
             await self._end_operation(failed=True)
@@ -659,7 +695,7 @@ class _Connection:
         replies: list[Any] = []
         try:
             if commands:
-                await _send(connection, connection.pack_commands(commands))
+                await _send(connection, _pack(connection, commands))
                 self._unread += len(commands)
             while self._unread:
                 replies.append(await _read_reply(connection))
@@ -719,6 +755,35 @@ def _wants_command_name(pool_class: type[ConnectionPool]) -> bool:
     """
     parameter = inspect.signature(pool_class.get_connection).parameters.get("command_name")
     return parameter is not None and parameter.default is inspect.Parameter.empty
+
+
+def _pack(connection: AbstractConnection, commands: list[Command]) -> list[bytes]:
+    """``commands`` in the Redis protocol, in one buffer, as redis-py would put them.
+
+    redis-py's ``pack_commands`` asks of every argument what type it is and
+    chunks large values; the arguments of a lock call are only ever ``str``
+    (names, keys, tokens, merged arguments) and ``int`` (TTLs, counts), and
+    one buffer is what the socket takes anyway. ``str`` is encoded as the
+    connection encodes it.
+    """
+    encoder = connection.encoder
+    encoding, errors = encoder.encoding, encoder.encoding_errors
+    parts: list[bytes] = []
+    append = parts.append
+    for command in commands:
+        append(b"*%d\r\n" % len(command))
+        for arg in command:
+            if isinstance(arg, str):
+                data = arg.encode(encoding, errors)
+            elif isinstance(arg, int) and not isinstance(arg, bool):
+                data = b"%d" % arg
+            elif isinstance(arg, bytes):
+                data = arg
+            else:  # no lock call has another type
+                msg = f"a lock call's argument must be str, int or bytes, not {type(arg).__name__}"
+                raise TypeError(msg)
+            append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return [b"".join(parts)]
 
 
 def _write_at_once(connection: AbstractConnection, packed: list[bytes]) -> bool:

@@ -84,6 +84,11 @@ _CLAIM_STEPS: Final = {Step.REASSERT: "reassert", Step.RELEASE: "release"}
 
 #: What an acquire gives when Redis failed and ``fail_open`` lets the send go.
 _FAILED_OPEN: Final = _FailedOpen.FAILED_OPEN
+#: Seconds the re-assert at a run's start and the step at its end may wait to
+#: share a round trip with other runs' (only while other runs go on and their
+#: calls come this often). Measured on a worker draining 1 ms tasks: 0.5 ms
+#: shares too few round trips, 2 ms no more than 1 ms.
+_RUN_LINGER: Final = 0.001
 #: Most sends remembered between their pre_send and post_send (one whose
 #: broker failed never gets a post_send; the oldest is forgotten first).
 _MAX_SENDS_IN_FLIGHT: Final = 4096
@@ -506,12 +511,13 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         ending = step is not Step.REASSERT and lock.token in self._sends
         if ending:
             self._sends[lock.token] = True
+        linger = _linger(execution)
         try:
             if step is Step.REASSERT:
-                await locks.reassert([lock])
+                await locks.reassert([lock], linger=linger)
             elif step is Step.REMEMBER and execution.success_ttl:
-                await locks.extend(lock, execution.success_ttl * 1000)
-            elif await locks.release(lock):
+                await locks.extend(lock, execution.success_ttl * 1000, linger=linger)
+            elif await locks.release(lock, linger=linger):
                 self._events.emit(
                     LockEventKind.RELEASED, message.task_name, message.task_id, lock.key, None
                 )
@@ -582,7 +588,9 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         """Re-assert the lock of a run that begins, on its lease; say what was found."""
         lock = execution.lock
         try:
-            (reply,) = await execution.state.locks.reassert([execution.lease])
+            (reply,) = await execution.state.locks.reassert(
+                [execution.lease], linger=_linger(execution)
+            )
         except REDIS_ERRORS as exc:
             logger.warning(
                 "Could not re-assert lock %r of task %s (%s): %s: %s",
@@ -864,3 +872,14 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             return self._client, False
         assert self._url is not None  # noqa: S101 (checked in __init__)
         return client_from_url(self._url), True
+
+
+def _linger(execution: Execution) -> float:
+    """How long a call of ``execution``'s may wait to share a round trip with other runs'.
+
+    A run alone in its event loop (a worker's only task, a sequential in-place
+    run) has no one to wait for. Other runs are those the loop's heartbeat
+    keeps alive; this run's own beat is not among them at its start (not added
+    yet) nor at its end (stopped first).
+    """
+    return _RUN_LINGER if len(execution.state.heartbeat) else 0.0

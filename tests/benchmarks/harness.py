@@ -154,7 +154,7 @@ class Traffic:
         self.writes = 0
         self.commands = 0
         self._written: set[int] = set()  # connections that wrote since their last read
-        self._saved: tuple[Any, Any, Any, Any] | None = None
+        self._saved: tuple[Any, Any, Any, Any, Any] | None = None
 
     def install(self) -> None:
         """Wrap the connection class's methods (idempotent)."""
@@ -162,8 +162,8 @@ class Traffic:
             return
         send, pack = AbstractConnection.send_packed_command, AbstractConnection.pack_command
         read = AbstractConnection.read_response
-        write_at_once = _pipeline._write_at_once
-        self._saved = (send, pack, read, write_at_once)
+        write_at_once, pipeline_pack = _pipeline._write_at_once, _pipeline._pack
+        self._saved = (send, pack, read, write_at_once, pipeline_pack)
         traffic = self
 
         def pipeline_write(connection: AbstractConnection, packed: list[bytes]) -> bool:
@@ -186,6 +186,10 @@ class Traffic:
                 traffic.round_trips += 1
             return await read(connection, *args, **kwargs)
 
+        def pack_lock_calls(connection: AbstractConnection, commands: list[Any]) -> list[bytes]:
+            traffic.commands += len(commands)
+            return pipeline_pack(connection, commands)
+
         def pack_command(connection: AbstractConnection, *args: Any) -> list[bytes]:
             traffic.commands += 1
             return pack(connection, *args)
@@ -194,16 +198,18 @@ class Traffic:
         AbstractConnection.pack_command = pack_command  # type: ignore[method-assign,assignment]
         AbstractConnection.read_response = read_response  # type: ignore[method-assign,assignment]
         _pipeline._write_at_once = pipeline_write
+        _pipeline._pack = pack_lock_calls
 
     def uninstall(self) -> None:
         """Put redis-py's own methods back."""
         if self._saved is None:
             return
-        send, pack, read, write_at_once = self._saved
+        send, pack, read, write_at_once, pipeline_pack = self._saved
         AbstractConnection.send_packed_command = send  # type: ignore[method-assign]
         AbstractConnection.pack_command = pack  # type: ignore[method-assign]
         AbstractConnection.read_response = read  # type: ignore[method-assign]
         _pipeline._write_at_once = write_at_once
+        _pipeline._pack = pipeline_pack
         self._saved = None
 
     def snapshot(self) -> tuple[int, int, int]:
