@@ -14,6 +14,7 @@ bounded memory.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
@@ -23,6 +24,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import (  # type: ignore[attr-defined]
+    AbstractConnection,
+    async_timeout,  # the timeout redis-py reads under, on every Python
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -33,7 +38,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from redis.asyncio import Redis
-    from redis.asyncio.connection import AbstractConnection, ConnectionPool
+    from redis.asyncio.connection import ConnectionPool
     from redis.commands.core import AsyncScript
 
 # Named for what it logs, not for the private module it lives in.
@@ -697,7 +702,9 @@ class _Connection:
             if commands:
                 await _send(connection, _pack(connection, commands))
                 self._unread += len(commands)
-            while self._unread:
+            if _reads_replies_itself(type(connection)):
+                await self._read_lean(connection, replies)
+            while self._unread:  # a connection whose class reads in its own way
                 replies.append(await _read_reply(connection))
                 self._unread -= 1
         except BaseException:
@@ -705,6 +712,31 @@ class _Connection:
             raise
         await self._end_operation()
         return replies
+
+    async def _read_lean(self, connection: AbstractConnection, replies: list[Any]) -> None:
+        """Read every unread reply under one timeout, straight from redis-py's parser.
+
+        What ``read_response`` does for each reply, done once for them all:
+        the socket timeout (a batch's replies come together, and a call's own
+        deadline is the pipeline's to keep), the errors it raises, the health
+        check's clock. An error reply comes back as the exception it is.
+        """
+        parser: Any = connection._parser  # noqa: SLF001 (redis-py's, since 4.2)
+        timeout = connection.socket_timeout
+        try:
+            async with async_timeout(timeout) if timeout else contextlib.nullcontext():
+                while self._unread:
+                    replies.append(await parser.read_response())
+                    self._unread -= 1
+        except asyncio.TimeoutError:
+            msg = f"Timeout reading from {connection._host_error()}"  # noqa: SLF001
+            raise RedisTimeoutError(msg) from None
+        except OSError as exc:
+            msg = f"Error while reading from {connection._host_error()} : {exc.args}"  # noqa: SLF001
+            raise RedisConnectionError(msg) from exc
+        if connection.health_check_interval:
+            loop = asyncio.get_running_loop()
+            connection.next_health_check = loop.time() + connection.health_check_interval
 
     async def _begin_operation(self) -> AbstractConnection:
         self._in_use = True
@@ -811,6 +843,16 @@ async def _send(connection: AbstractConnection, packed: list[bytes]) -> None:
     """Write ``packed`` at once if the connection can take it, else through redis-py."""
     if not _write_at_once(connection, packed):
         await connection.send_packed_command(packed, False)  # noqa: FBT003 (redis-py's check_health)
+
+
+def _reads_replies_itself(connection_class: type[AbstractConnection]) -> bool:
+    """Whether the pipeline may read replies of ``connection_class`` from its parser.
+
+    Only a class that reads as redis-py's own connections do: one that
+    overrides ``read_response`` (a Sentinel-managed connection turns a
+    demoted master's ``READONLY`` into a reconnect) is read through it.
+    """
+    return connection_class.read_response is AbstractConnection.read_response
 
 
 async def _read_reply(connection: AbstractConnection) -> Any:  # noqa: ANN401 (any reply)
