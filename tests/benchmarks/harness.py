@@ -140,11 +140,13 @@ class Traffic:
       pipeline puts on the socket itself (``_pipeline._write_at_once``): one or
       many commands put on the socket at once;
     - a *round trip* is a wait for the server: the first ``read_response`` on a
-      connection after it wrote. A plain command, a redis-py pipeline and one batch
+      connection after it wrote (or the lock pipeline's own read of a batch's
+      replies, ``_Connection._read_lean``). A plain command, a redis-py pipeline and one batch
       of the middleware's lock pipeline are one round trip each; a command written
       ahead without waiting (its reply read with the next batch) is a write but
       adds no round trip;
-    - a *command* is one ``pack_command`` call: one EVALSHA, LPUSH, ... as the
+    - a *command* is one ``pack_command`` call, or one command the lock pipeline
+      packs itself (``_pipeline._pack``): one EVALSHA, LPUSH, ... as the
       client sends it; what a Lua script runs inside Redis is not counted.
     """
 
@@ -154,16 +156,17 @@ class Traffic:
         self.writes = 0
         self.commands = 0
         self._written: set[int] = set()  # connections that wrote since their last read
-        self._saved: tuple[Any, Any, Any, Any, Any] | None = None
+        self._saved: tuple[Any, ...] | None = None
 
-    def install(self) -> None:
+    def install(self) -> None:  # noqa: C901 (one wrapper per counted method)
         """Wrap the connection class's methods (idempotent)."""
         if self._saved is not None:
             return
         send, pack = AbstractConnection.send_packed_command, AbstractConnection.pack_command
         read = AbstractConnection.read_response
         write_at_once, pipeline_pack = _pipeline._write_at_once, _pipeline._pack
-        self._saved = (send, pack, read, write_at_once, pipeline_pack)
+        read_lean = _pipeline._Connection._read_lean
+        self._saved = (send, pack, read, write_at_once, pipeline_pack, read_lean)
         traffic = self
 
         def pipeline_write(connection: AbstractConnection, packed: list[bytes]) -> bool:
@@ -186,6 +189,14 @@ class Traffic:
                 traffic.round_trips += 1
             return await read(connection, *args, **kwargs)
 
+        async def pipeline_read(
+            self: _pipeline._Connection, connection: AbstractConnection, replies: list[Any]
+        ) -> None:
+            if id(connection) in traffic._written:
+                traffic._written.discard(id(connection))
+                traffic.round_trips += 1
+            await read_lean(self, connection, replies)
+
         def pack_lock_calls(connection: AbstractConnection, commands: list[Any]) -> list[bytes]:
             traffic.commands += len(commands)
             return pipeline_pack(connection, commands)
@@ -199,17 +210,19 @@ class Traffic:
         AbstractConnection.read_response = read_response  # type: ignore[method-assign,assignment]
         _pipeline._write_at_once = pipeline_write
         _pipeline._pack = pack_lock_calls
+        _pipeline._Connection._read_lean = pipeline_read  # type: ignore[method-assign]
 
     def uninstall(self) -> None:
         """Put redis-py's own methods back."""
         if self._saved is None:
             return
-        send, pack, read, write_at_once, pipeline_pack = self._saved
+        send, pack, read, write_at_once, pipeline_pack, read_lean = self._saved
         AbstractConnection.send_packed_command = send  # type: ignore[method-assign]
         AbstractConnection.pack_command = pack  # type: ignore[method-assign]
         AbstractConnection.read_response = read  # type: ignore[method-assign]
         _pipeline._write_at_once = write_at_once
         _pipeline._pack = pipeline_pack
+        _pipeline._Connection._read_lean = read_lean  # type: ignore[method-assign]
         self._saved = None
 
     def snapshot(self) -> tuple[int, int, int]:

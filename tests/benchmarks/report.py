@@ -176,6 +176,18 @@ TARGETS = (
         "== 1",
         lambda v: v == 1,
     ),
+    Target(
+        "round trips of a duplicate that joins its holder (kiq_or_join)",
+        "round_trips.joined.round_trips",
+        "== 1",
+        lambda v: v == 1,
+    ),
+    Target(
+        "round trips of a duplicate that merges its arguments",
+        "round_trips.merged.round_trips",
+        "== 1",
+        lambda v: v == 1,
+    ),
 )
 
 
@@ -205,6 +217,18 @@ def targets(summary: Results) -> list[Results]:
                 "goal": "<= 1",
                 "median": failed["median"] / succeeded["median"],
                 "met": failed["median"] <= succeeded["median"],
+            }
+        )
+    fenced = lookup(summary, "round_trips.succeeded_with_a_fence.round_trips")
+    if fenced is not None and succeeded is not None:
+        rows.append(
+            {
+                "target": "round trips of a task with a fence / of one without",
+                "figure": "round_trips.succeeded_with_a_fence.round_trips"
+                " / round_trips.succeeded.round_trips",
+                "goal": "<= 1",
+                "median": fenced["median"] / succeeded["median"],
+                "met": fenced["median"] <= succeeded["median"],
             }
         )
     return rows
@@ -330,7 +354,8 @@ def _rows(summary: Results) -> list[tuple[str, ...]]:  # noqa: C901, PLR0912, PL
             "EVALSHA (server)",
         )
         cases = [c for c in trips if c.startswith("succeeded")]
-        for case in (*cases, "failed", "retried_once", "rejected"):
+        extra = [c for c in ("joined", "merged") if c in trips]
+        for case in (*cases, "failed", "retried_once", "rejected", *extra):
             base = f"round_trips.{case}"
             add(
                 case,

@@ -29,10 +29,15 @@ from importlib import resources
 from typing import Any
 
 from redis.asyncio import BlockingConnectionPool, Redis
-from taskiq import AsyncBroker, InMemoryBroker, SimpleRetryMiddleware
+from taskiq import AsyncBroker, BrokerMessage, InMemoryBroker, SimpleRetryMiddleware, TaskiqDepends
 from taskiq_redis import ListQueueBroker
 
-from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
+from taskiq_deduplication import (
+    DuplicateTaskError,
+    RedisDeduplicationMiddleware,
+    TaskLock,
+    kiq_or_join,
+)
 from tests.benchmarks.harness import (
     Kick,
     NullBroker,
@@ -441,7 +446,7 @@ async def _wait_idle(broker: InMemoryBroker) -> None:
         await asyncio.sleep(0)  # lets the done callbacks empty the set
 
 
-async def round_trips(bench: Bench) -> Results:
+async def round_trips(bench: Bench) -> Results:  # noqa: PLR0915 (every path, one section)
     """Client round trips per task life cycle, each task alone (nothing to batch with)."""
     traffic = bench.traffic
     attempts: dict[int, int] = {}
@@ -477,9 +482,21 @@ async def round_trips(bench: Bench) -> Results:
             flaky
         ).kiq,
     }
-    holder = broker.task(task_name="bench_hold")(hold).kiq
+
+    async def fenced(n: int, lock: TaskLock = TaskiqDepends()) -> int:
+        assert lock.fence is not None
+        return n
+
+    kicks["succeeded_with_a_fence"] = broker.task(task_name="bench_fenced")(fenced).kiq
+    holder_task = broker.task(task_name="bench_hold")(hold)
+    holder = holder_task.kiq
+    queue = _HoldingBroker().with_middlewares(bench.dedup(bench.prefix("Q")))
+    merging = queue.task(
+        task_name="bench_merge", deduplication_key_fields=["n"], deduplication_merge="latest"
+    )(_merge).kiq
     await broker.startup()
-    counts = {name: _Count() for name in (*kicks, "rejected")}
+    await queue.startup()
+    counts = {name: _Count() for name in (*kicks, "rejected", "joined", "merged")}
     numbers = numbers_from()
 
     async def finish() -> None:
@@ -497,15 +514,56 @@ async def round_trips(bench: Bench) -> Results:
             gate.clear()
             await holder(n)
             await _count(bench, counts["rejected"], functools.partial(_refused, holder, n), None)
+            await _count(bench, counts["joined"], functools.partial(_joined, holder_task, n), None)
             gate.set()
             await finish()
+            n = next(numbers)
+            await merging(n, 1)  # queued, not run
+            await _count(bench, counts["merged"], functools.partial(_merged, merging, n), None)
+            await queue.deliver()
         figures: Results = {name: count.figures() for name, count in counts.items()}
         figures["under_load_64_callers"] = await _round_trips_under_load(bench, broker)
     finally:
         traffic.uninstall()
         gate.set()
         await broker.shutdown()
+        await queue.shutdown()
     return figures
+
+
+class _HoldingBroker(InMemoryBroker):
+    """Keeps what it is sent until :meth:`deliver`: a task that waits in the queue."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queued: list[BrokerMessage] = []
+
+    async def kick(self, message: BrokerMessage) -> None:
+        self.queued.append(message)
+
+    async def deliver(self) -> None:
+        while self.queued:
+            await self.receiver.callback(message=self.queued.pop(0).message)
+
+
+async def _merge(n: int, version: int) -> int:
+    return n + version
+
+
+async def _joined(task: Any, n: int) -> None:
+    if not (await kiq_or_join(task, n)).joined:
+        msg = "the call was sent, not joined"
+        raise AssertionError(msg)
+
+
+async def _merged(kick: Any, n: int) -> None:
+    try:
+        await kick(n, 2)
+    except DuplicateTaskError as exc:
+        if exc.merged:
+            return
+    msg = "the duplicate's arguments were not merged"
+    raise AssertionError(msg)
 
 
 async def _refused(kick: Kick, n: int) -> None:
