@@ -704,9 +704,10 @@ class _Connection:
                 self._unread += len(commands)
             if _reads_replies_itself(type(connection)):
                 await self._read_lean(connection, replies)
-            while self._unread:  # a connection whose class reads in its own way
-                replies.append(await _read_reply(connection))
-                self._unread -= 1
+            else:  # a connection whose class reads in its own way
+                while self._unread:
+                    replies.append(await _read_reply(connection))
+                    self._unread -= 1
         except BaseException:
             await self._end_operation(failed=True)
             raise
@@ -809,10 +810,8 @@ def _pack(connection: AbstractConnection, commands: list[Command]) -> list[bytes
                 data = arg.encode(encoding, errors)
             elif isinstance(arg, int) and not isinstance(arg, bool):
                 data = b"%d" % arg
-            elif isinstance(arg, bytes):
-                data = arg
             else:  # no lock call has another type
-                msg = f"a lock call's argument must be str, int or bytes, not {type(arg).__name__}"
+                msg = f"a lock call's argument must be str or int, not {type(arg).__name__}"
                 raise TypeError(msg)
             append(b"$%d\r\n%s\r\n" % (len(data), data))
     return [b"".join(parts)]

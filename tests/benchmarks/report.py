@@ -170,23 +170,13 @@ TARGETS = (
         "== 1",
         lambda v: v == 1,
     ),
-    Target(
-        "round trips per rejected duplicate",
-        "round_trips.rejected.round_trips",
-        "== 1",
-        lambda v: v == 1,
-    ),
-    Target(
-        "round trips of a duplicate that joins its holder (kiq_or_join)",
-        "round_trips.joined.round_trips",
-        "== 1",
-        lambda v: v == 1,
-    ),
-    Target(
-        "round trips of a duplicate that merges its arguments",
-        "round_trips.merged.round_trips",
-        "== 1",
-        lambda v: v == 1,
+    *(
+        Target(f"round trips {what}", f"round_trips.{case}.round_trips", "== 1", lambda v: v == 1)
+        for case, what in (
+            ("rejected", "per rejected duplicate"),
+            ("joined", "of a duplicate that joins its holder (kiq_or_join)"),
+            ("merged", "of a duplicate that merges its arguments"),
+        )
     ),
 )
 
@@ -207,31 +197,29 @@ def targets(summary: Results) -> list[Results]:
                 "met": None if figure is None else bool(target.met(figure["median"])),
             }
         )
-    failed = lookup(summary, "round_trips.failed.round_trips")
-    succeeded = lookup(summary, "round_trips.succeeded.round_trips")
-    if failed is not None and succeeded is not None:
-        rows.append(
-            {
-                "target": "round trips of a failed task / of a successful one",
-                "figure": "round_trips.failed.round_trips / round_trips.succeeded.round_trips",
-                "goal": "<= 1",
-                "median": failed["median"] / succeeded["median"],
-                "met": failed["median"] <= succeeded["median"],
-            }
-        )
-    fenced = lookup(summary, "round_trips.succeeded_with_a_fence.round_trips")
-    if fenced is not None and succeeded is not None:
-        rows.append(
-            {
-                "target": "round trips of a task with a fence / of one without",
-                "figure": "round_trips.succeeded_with_a_fence.round_trips"
-                " / round_trips.succeeded.round_trips",
-                "goal": "<= 1",
-                "median": fenced["median"] / succeeded["median"],
-                "met": fenced["median"] <= succeeded["median"],
-            }
-        )
+    for case, what in (
+        ("failed", "a failed task"),
+        ("succeeded_with_a_fence", "a task with a fence"),
+    ):
+        row = _no_dearer(summary, case, what)
+        if row is not None:
+            rows.append(row)
     return rows
+
+
+def _no_dearer(summary: Results, case: str, what: str) -> Results | None:
+    """The target row "round trips of ``case`` / of a task that succeeded: <= 1"."""
+    dearer = lookup(summary, f"round_trips.{case}.round_trips")
+    succeeded = lookup(summary, "round_trips.succeeded.round_trips")
+    if dearer is None or succeeded is None:
+        return None
+    return {
+        "target": f"round trips of {what} / of a successful one",
+        "figure": f"round_trips.{case}.round_trips / round_trips.succeeded.round_trips",
+        "goal": "<= 1",
+        "median": dearer["median"] / succeeded["median"],
+        "met": dearer["median"] <= succeeded["median"],
+    }
 
 
 def _number(value: float) -> str:

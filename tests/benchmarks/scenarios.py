@@ -29,7 +29,7 @@ from importlib import resources
 from typing import Any
 
 from redis.asyncio import BlockingConnectionPool, Redis
-from taskiq import AsyncBroker, BrokerMessage, InMemoryBroker, SimpleRetryMiddleware, TaskiqDepends
+from taskiq import AsyncBroker, InMemoryBroker, SimpleRetryMiddleware, TaskiqDepends
 from taskiq_redis import ListQueueBroker
 
 from taskiq_deduplication import (
@@ -38,6 +38,7 @@ from taskiq_deduplication import (
     TaskLock,
     kiq_or_join,
 )
+from tests._brokers import HoldingBroker
 from tests.benchmarks.harness import (
     Kick,
     NullBroker,
@@ -490,7 +491,7 @@ async def round_trips(bench: Bench) -> Results:  # noqa: PLR0915 (every path, on
     kicks["succeeded_with_a_fence"] = broker.task(task_name="bench_fenced")(fenced).kiq
     holder_task = broker.task(task_name="bench_hold")(hold)
     holder = holder_task.kiq
-    queue = _HoldingBroker().with_middlewares(bench.dedup(bench.prefix("Q")))
+    queue = HoldingBroker().with_middlewares(bench.dedup(bench.prefix("Q")))
     merging = queue.task(
         task_name="bench_merge", deduplication_key_fields=["n"], deduplication_merge="latest"
     )(_merge).kiq
@@ -529,21 +530,6 @@ async def round_trips(bench: Bench) -> Results:  # noqa: PLR0915 (every path, on
         await broker.shutdown()
         await queue.shutdown()
     return figures
-
-
-class _HoldingBroker(InMemoryBroker):
-    """Keeps what it is sent until :meth:`deliver`: a task that waits in the queue."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.queued: list[BrokerMessage] = []
-
-    async def kick(self, message: BrokerMessage) -> None:
-        self.queued.append(message)
-
-    async def deliver(self) -> None:
-        while self.queued:
-            await self.receiver.callback(message=self.queued.pop(0).message)
 
 
 async def _merge(n: int, version: int) -> int:
