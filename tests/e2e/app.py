@@ -370,12 +370,7 @@ def _retry_source(config: Config) -> ListRedisScheduleSource:
 
 def _make_broker(config: Config) -> AsyncBroker:
     if config.broker == "redis-list":
-        # As docs/deploying.md says to run it: with redis-py 8's 5-second default,
-        # a worker whose queue stays empty that long dies in its BRPOP, and a
-        # message popped just then is lost with it (seen failing a retry test).
-        return ListQueueBroker(
-            config.redis_url, queue_name=f"{config.prefix}:queue", socket_timeout=None
-        )
+        return ListQueueBroker(config.redis_url, queue_name=f"{config.prefix}:queue")
     if config.broker == "redis-stream":
         return RedisStreamBroker(
             config.redis_url,
