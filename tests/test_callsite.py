@@ -710,7 +710,7 @@ async def test_a_merged_run_whose_lock_another_send_holds_runs_as_sent_with_a_wa
     broker = await make_broker(broker_class=HoldingBroker)
     ran: list[tuple[int, bool]] = []
 
-    @broker.task(deduplication_key="m", deduplication_merge="latest")
+    @broker.task(deduplication_key="m", deduplication_merge="latest", deduplication_exclusive=False)
     async def merged(n: int, lock: TaskLock = TaskiqDepends()) -> None:
         ran.append((n, await lock.held()))
 

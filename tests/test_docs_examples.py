@@ -54,14 +54,22 @@ _SNIPPET = re.compile(r"""--8<--\s+["'](?P<path>[^"':]+)(?::[^"']+)?["']""")
 # An owner token: 11 random characters, or, for a lock under an explicit key or
 # key fields, 6 random ones, a dot and a digest of the call's arguments.
 _OWNER_SHAPE = r"[A-Za-z0-9_-]{11}|[A-Za-z0-9_-]{6}\.[A-Za-z0-9_-]{4}"
+# A run's token, in a lock while its task runs: ~ (or =, once the run succeeded)
+# and 10 more characters, or 5, a dot and the digest.
+_RUN_SHAPE = r"[~=][A-Za-z0-9_-]{10}|[~=][A-Za-z0-9_-]{5}\.[A-Za-z0-9_-]{4}"
 _VARYING = (
     (re.compile(r"\b[0-9a-f]{32}\b"), "<task_id>"),
     (re.compile(r"(?<=:)[A-Za-z0-9_-]{43}(?![A-Za-z0-9_-])"), "<digest>"),
     (re.compile(rf"(?<![A-Za-z0-9_.-])(?:{_OWNER_SHAPE})(?= (?:of task )?<task_id>)"), "<token>"),
+    (
+        re.compile(rf"(?<![A-Za-z0-9_.~=-])(?:{_RUN_SHAPE})(?= (?:of task )?<task_id>)"),
+        "<run token>",
+    ),
     (re.compile(r"(?<=-)[0-9a-f]{8}(?=:)"), "<run>"),
     (re.compile(r"(?<=127\.0\.0\.1:)\d+|(?<='127\.0\.0\.1', )\d+"), "<port>"),
     # What `taskiq dedup` prints of a lock: its owner token and its time left.
     (re.compile(rf'(?<="owner_token": ")(?:{_OWNER_SHAPE})(?=")'), "<token>"),
+    (re.compile(rf'(?<="owner_token": ")(?:{_RUN_SHAPE})(?=")'), "<run token>"),
     (re.compile(r'(?<="ttl_ms": )\d+\b|\b\d+(?= ms\b)'), "<ms>"),
 )
 

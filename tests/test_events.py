@@ -122,7 +122,7 @@ async def test_a_run_whose_lock_another_task_holds_tells_it_lost(
     redis_client: redis.asyncio.Redis,
     prefix: str,
 ) -> None:
-    middleware = make_middleware()
+    middleware = make_middleware(default_exclusive=False)
     events = record(middleware)
     broker = await make_broker(middlewares=[middleware], broker_class=HoldingBroker)
 
@@ -255,6 +255,8 @@ def test_every_kind_is_its_own_string() -> None:
         "released",
         "taken_back",
         "lost",
+        "waiting",
+        "skipped",
     ]
     assert str.__eq__(LockEventKind.TAKEN_BACK, "taken_back")
 

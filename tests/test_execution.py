@@ -20,6 +20,7 @@ from taskiq import (
 )
 
 from taskiq_deduplication import DuplicateTaskError
+from taskiq_deduplication._formats import holder_task_id
 from tests._brokers import HoldingBroker, KeptSchedules, retry_middleware
 from tests.conftest import (
     BrokerFactory,
@@ -107,23 +108,28 @@ async def test_a_lock_that_expired_in_the_queue_is_taken_back_at_execution(
 
     sent = await job.kiq()
     (key,) = await lock_keys(redis_client, prefix)
-    value = await redis_client.get(key)
+    value = await lock_value(redis_client, key)
     await redis_client.delete(key)  # as if its TTL ran out while it was queued
     caplog.set_level(logging.WARNING, logger="taskiq_deduplication")
     await broker.deliver()
-    assert seen == [value]  # held again, by the same owner, while it ran
+    # Held again by the same task while it ran, under its run's token.
+    assert [holder_task_id(v) for v in seen if v] == [holder_task_id(value)]
+    assert seen[0] is not None
+    assert seen[0].startswith("~")
     assert sent.task_id in caplog.text
     assert "taken back" in caplog.text
     assert await lock_keys(redis_client, prefix) == []
 
 
-async def test_a_lock_taken_by_another_send_meanwhile_is_left_to_it(
+async def test_a_lock_taken_by_another_send_meanwhile_is_left_to_it_when_runs_may_overlap(
     make_broker: BrokerFactory,
     redis_client: redis.asyncio.Redis,
     prefix: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker, heartbeat_interval=1)
+    broker = await make_broker(
+        broker_class=HoldingBroker, heartbeat_interval=1, default_exclusive=False
+    )
 
     @broker.task
     async def job() -> None: ...

@@ -127,7 +127,7 @@ async def test_lock_events_of_running_tasks_are_counted(
     @broker.task(task_name="metrics.gone")
     async def gone() -> None: ...
 
-    @broker.task(task_name="metrics.taken")
+    @broker.task(task_name="metrics.taken", deduplication_exclusive=False)
     async def taken() -> None: ...
 
     await gone.kiq()

@@ -117,21 +117,29 @@ async def test_every_policy_lets_a_call_through_after_the_ttl(
 
 
 @pytest.mark.parametrize(
-    ("policy", "scripts"),
+    ("policy", "exclusive", "scripts"),
     [
         # acquire + extend after the send, then at run time:
-        ("finished", 4),  # re-assert at start, release at the end
-        ("finished+success_ttl", 4),  # re-assert at start, keep at the end
-        ("started", 3),  # release at start
-        ("expired", 2),  # nothing
+        ("finished", True, 4),  # take the lock as the run slot at start, free it at the end
+        ("finished", False, 4),  # re-assert at start, release at the end
+        ("finished+success_ttl", True, 4),  # take at start, keep as succeeded at the end
+        ("finished+success_ttl", False, 4),  # re-assert at start, keep at the end
+        ("started", True, 4),  # release and take the run slot at start, free it at the end
+        ("started", False, 3),  # release at start
+        ("expired", True, 4),  # take the run slot at start, free it at the end
+        ("expired", False, 2),  # nothing
     ],
 )
 async def test_round_trips_of_each_policy(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, policy: str, scripts: int
+    make_broker: BrokerFactory,
+    redis_client: redis.asyncio.Redis,
+    policy: str,
+    exclusive: bool,
+    scripts: int,
 ) -> None:
     broker = await make_broker()
 
-    @broker.task(task_name=None, **POLICIES[policy])
+    @broker.task(task_name=None, deduplication_exclusive=exclusive, **POLICIES[policy])
     async def job(n: int, fail: bool = False) -> None:
         if fail:
             msg = "the task fails"
@@ -150,13 +158,15 @@ async def test_round_trips_of_each_policy(
     assert running_beats(dedup_middleware(broker)) == []
 
 
-async def test_started_releases_at_start_with_no_heartbeat(
+async def test_started_releases_at_start_with_no_heartbeat_when_runs_may_overlap(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker(broker_class=HoldingBroker)
     during: list[Any] = []
 
-    @broker.task(deduplication_until="started", deduplication_key="refresh")
+    @broker.task(
+        deduplication_until="started", deduplication_key="refresh", deduplication_exclusive=False
+    )
     async def refresh() -> None:
         during.append(await lock_keys(redis_client, prefix))
         during.append(len(running_beats(dedup_middleware(broker))))

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from taskiq import (
+    AckableMessage,
     AsyncBroker,
     AsyncTaskiqTask,
     BrokerMessage,
@@ -459,3 +460,61 @@ def test_a_broker_lists_its_tasks_with_the_labels_they_were_declared_with() -> N
         "are the decorator's labels, as given. The middleware's startup() checks every "
         "registered task's deduplication labels through it."
     )
+
+
+@pytest.mark.parametrize("retry_class", RETRY_CLASSES)
+@pytest.mark.parametrize("sync", [False, True])
+async def test_arguments_that_raise_no_result_error_when_unpacked_end_the_run_unrun(
+    retry_class: type[TaskiqMiddleware], sync: bool
+) -> None:
+    """An exclusive run's copy that must not run (`_execution.NotRun`) relies on this.
+
+    taskiq unpacks the positional arguments inside the guard that turns a
+    ``NoResultError`` into a run that sets no result (and whose message is
+    acknowledged); the retry middlewares ignore that error; reading the
+    arguments by index (parameter parsing) still works.
+    """
+
+    class NotRun(list[Any]):
+        def __iter__(self) -> Any:
+            raise NoResultError
+
+    class Skip(TaskiqMiddleware):
+        def pre_execute(self, message: TaskiqMessage) -> TaskiqMessage:
+            message.args = NotRun(message.args)
+            return message
+
+    broker = InMemoryBroker().with_middlewares(Skip(), _retry(retry_class))
+    bodies: list[int] = []
+
+    if sync:
+
+        @broker.task(retry_on_error=True)
+        def body(n: int) -> int:
+            bodies.append(n)
+            return n
+
+    else:
+
+        @broker.task(retry_on_error=True)
+        async def body(n: int) -> int:
+            bodies.append(n)
+            return n
+
+    acked: list[bool] = []
+
+    async def ack() -> None:
+        acked.append(True)
+
+    message = broker.formatter.dumps(
+        TaskiqMessage(task_id="t1", task_name=body.task_name, labels={}, args=["5"], kwargs={})
+    ).message
+    await broker.startup()
+    try:
+        await broker.receiver.callback(message=AckableMessage(data=message, ack=ack))
+        await drain(broker)
+        assert bodies == [], "the body ran although its arguments raised NoResultError"
+        assert not await broker.result_backend.is_result_ready("t1"), "a result was set"
+        assert acked == [True], "the message was not acknowledged"
+    finally:
+        await broker.shutdown()

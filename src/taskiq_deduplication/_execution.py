@@ -63,6 +63,12 @@ class Execution:
     """The lock's fence, for a task that asked for one."""
     owned: bool = True
     """Whether the run holds its lock (no other send took it meanwhile)."""
+    run: Lock | None = None
+    """The run slot an exclusive run holds while it goes on: its key (the lock's
+    own for the ``"finished"`` policy) and the run's token, on the lease's TTL."""
+    skipped: bool = False
+    """Whether the run was not to run: a copy of a run that succeeded, or of an
+    attempt that a retry carries on."""
     ended: bool = False
     resent: Resent | None = None
     task: asyncio.Task[Any] | None = field(default=None, repr=False)
@@ -70,6 +76,13 @@ class Execution:
     context: Any = field(default=None, repr=False)
     """The token that restores the execution context variable."""
     on_task_done: Any = field(default=None, repr=False)
+
+    @property
+    def holds(self) -> Lock:
+        """The lock as this run holds it in Redis: its run slot, if its lock is that."""
+        if self.run is not None and self.run.key == self.lock.key:
+            return self.run
+        return self.lock
 
     def passed_on(self, message: TaskiqMessage, result: TaskiqResult[Any]) -> bool:
         """Whether the run handed itself to a later delivery without a send through us.
@@ -160,3 +173,18 @@ def _current_task() -> asyncio.Task[Any]:
         msg = "taskiq hooks run inside an asyncio task"
         raise RuntimeError(msg)
     return task
+
+
+class NotRun(list[Any]):
+    """The positional arguments of a run that must not run its body.
+
+    taskiq unpacks a task's positional arguments inside the guard that turns a
+    ``NoResultError`` into a run that sets no result, is acknowledged, and that
+    the retry middlewares leave alone (`tests/test_taskiq_contract.py` pins
+    it); unpacking these raises it, before the body is called. Reading them by
+    index, as taskiq's parameter parsing does, works as on the original list.
+    """
+
+    def __iter__(self) -> Any:  # noqa: ANN401 (never returns)
+        """Refuse to be unpacked: the body must not run."""
+        raise NoResultError

@@ -13,9 +13,19 @@ the worker reads them back to re-assert, refresh and release that very lock.
 Tasks that merge their calls (``deduplication_merge``, ``deduplication_debounce``)
 keep the latest arguments in a hash beside the lock, ``<key_prefix>#merge:<name>``;
 tasks that take a fence draw it from one counter per prefix,
-``<key_prefix>#fence``. Both live outside the locks' namespace
-(``<key_prefix>:``), so no lock name can collide with them, and with a hash tag
-in the prefix they share the locks' slot on a cluster.
+``<key_prefix>#fence``. An exclusive run of a ``"started"`` or ``"expired"``
+task holds a run slot, ``<key_prefix>#run:<name>``, while it goes on (a
+``"finished"`` lock is its own run slot: its value names the run while the task
+runs). These live outside the locks' namespace (``<key_prefix>:``), so no lock
+name can collide with them, and with a hash tag in the prefix they share the
+locks' slot on a cluster.
+
+A run slot holds ``"<run token> <task_id>"`` while its run goes on: a run token
+starts with ``~`` and replaces the send's owner token (same length), so a copy of
+the same message that the broker delivers again can tell a live run of its own
+task from its own queued lock. ``" +"`` follows once such a copy waits; a run
+that succeeded leaves ``"=<...> <task_id>"`` for as long as its success is
+remembered (or briefly, for the copies that waited).
 
 The middleware, the heartbeat, the CLI and the test helpers all read and write
 these formats through this module.
@@ -46,6 +56,8 @@ LOCK_SUCCESS_TTL_LABEL: Final = "_deduplication_lock_success_ttl"
 # ("<quiet ms> <maximum wait ms>", both 0 for a plain merge).
 LOCK_FENCE_LABEL: Final = "_deduplication_lock_fence"
 LOCK_MERGE_LABEL: Final = "_deduplication_lock_merge"
+# Written only for a lock whose runs may overlap ("0"): runs are exclusive by default.
+LOCK_EXCLUSIVE_LABEL: Final = "_deduplication_lock_exclusive"
 LOCK_LABELS: Final = (
     LOCK_KEY_LABEL,
     LOCK_OWNER_LABEL,
@@ -54,11 +66,18 @@ LOCK_LABELS: Final = (
     LOCK_SUCCESS_TTL_LABEL,
     LOCK_FENCE_LABEL,
     LOCK_MERGE_LABEL,
+    LOCK_EXCLUSIVE_LABEL,
 )
 #: Between the key prefix and the name of a key beside the locks (merge, fence).
 SIDE_SEPARATOR: Final = "#"
 # Between the random part of an owner token and the digest of its call's arguments.
 _DIGEST_MARK: Final = "."
+# The first character of a run token (a run goes on) and of a succeeded run's
+# token in a run slot; an owner token of a send never starts with either.
+RUN_MARK: Final = "~"
+SUCCEEDED_MARK: Final = "="
+# After a running slot's value while a copy of its task waits for the run.
+WAITED_MARK: Final = " +"
 DEFAULT_UNTIL: Final = "finished"
 
 
@@ -91,6 +110,28 @@ def merge_key(prefix: str, lock: str) -> str | None:
 def fence_key(prefix: str) -> str:
     """The counter that every fence under ``prefix`` is drawn from."""
     return f"{prefix}{SIDE_SEPARATOR}fence"
+
+
+def run_key(prefix: str, lock: str) -> str | None:
+    """The run slot of lock ``lock`` for the policies whose lock is not their run slot.
+
+    ``None`` if the lock is not under ``prefix``. (A ``"finished"`` lock is held
+    while its task runs, so it is its own run slot.)
+    """
+    name = lock_name(prefix, lock)
+    return None if name is None else f"{prefix}{SIDE_SEPARATOR}run{KEY_SEPARATOR}{name}"
+
+
+def new_run_token(token: str) -> str:
+    """Make the token of one run of the send ``token``: a run slot holds it while the run goes on.
+
+    It is as long as the send's token and keeps its arguments' digest, so a
+    lock's value grows by nothing when its run begins.
+    """
+    random, mark, digest = token.partition(_DIGEST_MARK)
+    if mark and random and digest:
+        return RUN_MARK + secrets.token_urlsafe(6)[:5] + _DIGEST_MARK + digest
+    return RUN_MARK + secrets.token_urlsafe(8)[:10]
 
 
 def new_token(digest: str | None = None) -> str:
@@ -130,9 +171,13 @@ def lock_value(token: str, task_id: str) -> str:
 
 
 def holder_task_id(value: str) -> str | None:
-    """The ``task_id`` in a lock's value, or ``None`` if the value is not ours."""
-    token, separator, task_id = value.partition(" ")
-    return task_id if separator and token else None
+    """The ``task_id`` in a lock's value, or ``None`` if the value is not ours.
+
+    A run slot's value may carry a mark after the task_id (`WAITED_MARK`).
+    """
+    token, separator, rest = value.partition(" ")
+    task_id = rest.partition(" ")[0]
+    return task_id if separator and token and task_id else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +197,8 @@ class RecordedLock:
     merge: tuple[int, int] | None = None
     """For a task that merges its calls: the quiet period and the maximum
     wait of its debounce, in milliseconds (0 and 0: a plain merge)."""
+    exclusive: bool = True
+    """Whether a run waits for another run of the same lock key to end."""
 
 
 def read_lock_labels(labels: Mapping[str, Any], task_id: str) -> RecordedLock | None:
@@ -184,7 +231,14 @@ def read_lock_labels(labels: Mapping[str, Any], task_id: str) -> RecordedLock | 
         return None
     fence = _seconds(labels.get(LOCK_FENCE_LABEL), minimum=1)
     return RecordedLock(
-        key, token, ttl, until, success_ttl, fence, _merge(labels.get(LOCK_MERGE_LABEL))
+        key,
+        token,
+        ttl,
+        until,
+        success_ttl,
+        fence,
+        _merge(labels.get(LOCK_MERGE_LABEL)),
+        exclusive=labels.get(LOCK_EXCLUSIVE_LABEL) not in {"0", 0},
     )
 
 
@@ -209,6 +263,10 @@ def write_lock_labels(labels: dict[str, Any], lock: RecordedLock, task_id: str) 
         labels[LOCK_MERGE_LABEL] = f"{lock.merge[0]} {lock.merge[1]}"
     else:
         labels.pop(LOCK_MERGE_LABEL, None)
+    if not lock.exclusive:
+        labels[LOCK_EXCLUSIVE_LABEL] = "0"
+    else:
+        labels.pop(LOCK_EXCLUSIVE_LABEL, None)
 
 
 def drop_lock_labels(labels: dict[str, Any]) -> None:

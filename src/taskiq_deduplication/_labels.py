@@ -32,6 +32,7 @@ SUCCESS_TTL_LABEL: Final = "deduplication_success_ttl"
 MERGE_LABEL: Final = "deduplication_merge"
 DEBOUNCE_LABEL: Final = "deduplication_debounce"
 DEBOUNCE_MAX_LABEL: Final = "deduplication_debounce_max"
+EXCLUSIVE_LABEL: Final = "deduplication_exclusive"
 #: Every label a user may set; a task label that starts like them but is none
 #: of them is a typo, reported when the broker starts.
 USER_LABELS: Final = (
@@ -45,6 +46,7 @@ USER_LABELS: Final = (
     MERGE_LABEL,
     DEBOUNCE_LABEL,
     DEBOUNCE_MAX_LABEL,
+    EXCLUSIVE_LABEL,
 )
 _USER_LABEL_PREFIX: Final = "deduplication"
 
@@ -67,6 +69,8 @@ class Defaults:
     """Seconds a lock stays after success, for the policies that remember it."""
     heartbeat: bool = True
     """Whether the heartbeat is on; a running lease needs it."""
+    exclusive: bool = True
+    """Whether runs of one lock key wait for each other."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +91,8 @@ class SendOptions:
     merge: tuple[int, int] | None = None
     """For a task whose calls merge while one is queued: the quiet period and
     the maximum wait of its debounce in milliseconds (0 and 0: no debounce)."""
+    exclusive: bool = True
+    """Whether a run waits for another run of the same lock key to end first."""
 
 
 def read_send_options(labels: Mapping[str, Any], defaults: Defaults) -> SendOptions | None:
@@ -112,6 +118,7 @@ def read_send_options(labels: Mapping[str, Any], defaults: Defaults) -> SendOpti
     running_ttl = labels.get(RUNNING_TTL_LABEL)
     until = labels.get(UNTIL_LABEL)
     success_ttl = labels.get(SUCCESS_TTL_LABEL)
+    exclusive = labels.get(EXCLUSIVE_LABEL)
     policy = defaults.policy if until is None else _parse(_parse_until, UNTIL_LABEL, until)
     if running_ttl is not None and not (defaults.heartbeat and policy.heartbeat):
         reason = (
@@ -142,6 +149,11 @@ def read_send_options(labels: Mapping[str, Any], defaults: Defaults) -> SendOpti
         ),
         policy=policy,
         success_ttl=remembered,
+        exclusive=(
+            defaults.exclusive
+            if exclusive is None
+            else _parse(_parse_bool, EXCLUSIVE_LABEL, exclusive)
+        ),
     )
 
 

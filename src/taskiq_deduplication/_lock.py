@@ -81,13 +81,24 @@ class Claimed:
     """What `LockStore.claim` found at the start of a run."""
 
     wait_ms: int = 0
-    """Above 0: the debounce is not over; claim again after this many ms."""
+    """Above 0: the run may not begin yet; claim again after at most this many ms."""
+    waiting_for: str | None = None
+    """The value of the run slot of another run of the key, which goes on: the
+    reason to wait (``None`` while a debounce waits)."""
+    skipped_for: str | None = None
+    """The value of the run slot that says this delivery must not run: its run
+    succeeded, or a retry took its lock over."""
     outcome: int | str = 1
     """`Reasserted.REFRESHED`, `Reasserted.TAKEN_BACK`, or another holder's value."""
     fence: int | None = None
     """A new fence, drawn when the lock was taken back."""
     arguments: bytes | None = None
     """The latest merged arguments, serialised, if there were any to claim."""
+
+
+# The first element of claim.lua's reply besides an outcome or a debounce's wait.
+_WAIT_FOR_RUN: Final = 3
+_SKIP: Final = 4
 
 
 class Reasserted:
@@ -123,6 +134,8 @@ class LockStore:
         self._acquire_with = load_script(client, "acquire_with")
         self._claim = load_script(client, "claim")
         self._held = load_script(client, "held")
+        # For exclusive runs.
+        self._finish = load_script(client, "finish")
         self._pipeline = Pipeline(
             client,
             (
@@ -133,6 +146,7 @@ class LockStore:
                 self._acquire_with,
                 self._claim,
                 self._held,
+                self._finish,
             ),
             timeout=call_timeout(client),
             detached_timeout=_DETACHED_TIMEOUT,
@@ -216,16 +230,18 @@ class LockStore:
             return Acquired(None, fence=int(value) or None)
         return Acquired(text(value), merged=status == 2)  # noqa: PLR2004 (the script's reply)
 
-    async def claim(
+    async def claim(  # noqa: PLR0913 (the script's arguments, each named)
         self,
         lock: Lock,
         *,
         step: str,
-        merge_key: str | None,
+        merge_key: str | None = None,
         debounce: tuple[int, int] = (0, 0),
         fence_key: str | None = None,
+        run: Lock | None = None,
+        linger: float = 0.0,
     ) -> Claimed:
-        """Begin the run of ``lock``'s task: wait out a debounce, claim merged arguments.
+        """Begin the run of ``lock``'s task: wait for another run, wait out a debounce, claim.
 
         Args:
             lock: The lock, with the TTL it keeps while its task runs.
@@ -234,8 +250,16 @@ class LockStore:
             merge_key: Where the latest arguments are, for a task that merges.
             debounce: The quiet period and the maximum wait, in milliseconds.
             fence_key: The fence counter, for a lock that has a fence.
+            run: For an exclusive run, its run slot: the key (the lock's own
+                for the ``"finished"`` policy) and the run token.
+            linger: Seconds the call may wait to share a round trip.
         """
-        keys = _keys_of(lock, merge_key, fence_key)
+        keys = [
+            lock.key,
+            merge_key or lock.key,
+            fence_key or lock.key,
+            run.key if run is not None else lock.key,
+        ]
         args: list[str | int] = [
             lock.value,
             lock.ttl_ms,
@@ -243,16 +267,48 @@ class LockStore:
             step,
             int(merge_key is not None),
             int(fence_key is not None),
+            run.token if run is not None else "",
         ]
-        reply = await self._pipeline.call(self._claim, keys, args)
+        reply = await self._pipeline.call(self._claim, keys, args, linger=linger)
         if reply[0] == 0:
             return Claimed(wait_ms=max(int(reply[1]), 1))
+        if reply[0] == _WAIT_FOR_RUN:
+            return Claimed(wait_ms=max(int(reply[1]), 1), waiting_for=text(reply[2]))
+        if reply[0] == _SKIP:
+            return Claimed(skipped_for=text(reply[2]))
         outcome, fence, arguments = reply
         return Claimed(
             outcome=outcome if isinstance(outcome, int) else text(outcome),
             fence=int(fence) or None,
             arguments=(arguments.encode() if isinstance(arguments, str) else arguments) or None,
         )
+
+    async def finish(
+        self, run: Lock, how: str, ms: int = 0, *, waited_ms: int = 0, linger: float = 0.0
+    ) -> bool:
+        """End the exclusive run that holds the run slot ``run``; return whether it still did.
+
+        Args:
+            run: The run slot: its key and the run token.
+            how: ``"succeeded"`` (remember the success ``ms`` milliseconds; 0:
+                free the slot, unless copies of the run wait for it: then keep the
+                success ``waited_ms`` for them) or ``"failed"`` (free the slot).
+            ms: See ``how``.
+            waited_ms: See ``how``.
+            linger: Seconds the call may wait to share a round trip.
+        """
+        args: list[str | int] = [run.token, how, ms, waited_ms]
+        return bool(await self._pipeline.call(self._finish, [run.key], args, linger=linger))
+
+    async def hand_over(self, run: Lock, to: Lock, *, linger: float = 0.0) -> bool:
+        """Hand the run slot ``run`` to the send ``to`` (a requeued message, a retry).
+
+        The slot then holds ``to``'s value for ``to``'s TTL: that send's run
+        takes it as its own, and a copy of the run that ends here finds its
+        task carried on. Returns whether the slot was still this run's.
+        """
+        args: list[str | int] = [run.token, "handed", to.value, to.ttl_ms]
+        return bool(await self._pipeline.call(self._finish, [run.key], args, linger=linger))
 
     async def held(self, lock: Lock) -> bool:
         """Whether ``lock`` is still held by its owner: one round trip."""

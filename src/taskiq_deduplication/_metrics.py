@@ -37,6 +37,8 @@ _LOCK_EVENTS: Final = {
     LockEventKind.RELEASED: "released",
     LockEventKind.TAKEN_BACK: "taken_back",
     LockEventKind.LOST: "lost",
+    LockEventKind.WAITING: "waiting",
+    LockEventKind.SKIPPED: "skipped",
 }
 
 

@@ -201,7 +201,7 @@ class TaskLock:
         execution = self._execution
         if execution is None:
             return False
-        return await execution.state.locks.held(execution.lock)
+        return await execution.state.locks.held(execution.holds)
 
     def _run(self) -> Execution:
         if self._execution is None:

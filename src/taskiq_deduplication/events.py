@@ -40,7 +40,7 @@ class LockEventKind(str, enum.Enum):
     """What happened to a task's lock.
 
     The first five are the outcomes of a send (``kiq``), one per send that the
-    middleware sees; the last three happen to the lock of a task that runs.
+    middleware sees; the others happen to the lock of a task that runs.
     Each member is also its ``str`` value (``LockEventKind.LOCKED == "locked"``).
     """
 
@@ -69,6 +69,13 @@ class LockEventKind(str, enum.Enum):
     LOST = "lost"
     """The run found its lock held by another task, at its start or in a
     heartbeat, and leaves it to that task; ``holder_task_id`` names it."""
+    WAITING = "waiting"
+    """The run waits before its body: another run of the same lock key goes on
+    (``holder_task_id`` names its task). Told once per run that waits."""
+    SKIPPED = "skipped"
+    """The run ended without running its body: the broker delivered a copy of a
+    message whose run succeeded (``holder_task_id`` is the task's own id), or of
+    an attempt that a retry carries on."""
 
 
 @dataclass(frozen=True, slots=True)

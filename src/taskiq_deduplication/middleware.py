@@ -32,15 +32,18 @@ from taskiq_deduplication import _options as options
 from taskiq_deduplication import _refusals
 from taskiq_deduplication import _tracing as tracing
 from taskiq_deduplication._client import client_from_url
-from taskiq_deduplication._execution import Execution, Executions, Resent
+from taskiq_deduplication._execution import Execution, Executions, NotRun, Resent
 from taskiq_deduplication._formats import (
+    SUCCEEDED_MARK,
     RecordedLock,
     drop_lock_labels,
     fence_key,
     holder_task_id,
     merge_key,
+    new_run_token,
     new_token,
     read_lock_labels,
+    run_key,
     write_lock_labels,
 )
 from taskiq_deduplication._heartbeat import Beat
@@ -89,6 +92,17 @@ _FAILED_OPEN: Final = _FailedOpen.FAILED_OPEN
 #: calls come this often). Measured on a worker draining 1 ms tasks: 0.5 ms
 #: shares too few round trips, 2 ms no more than 1 ms.
 _RUN_LINGER: Final = 0.001
+# What a run that could not claim its lock at its start does.
+_NOT_BEGUN: Final = (
+    "it runs with the arguments it was sent with, not knowing whether another run of its "
+    "key goes on"
+)
+#: Longest wait, in seconds, between two looks of a run that waits for another
+#: run of its key (a quarter of the heartbeat interval when that is shorter).
+_MAX_POLL: Final = 5.0
+#: More than two looks' time that a run's success is kept for the copies that
+#: waited for it, when the task does not remember its success.
+_WAITED_MARGIN_MS: Final = 1000
 #: Most sends remembered between their pre_send and post_send (one whose
 #: broker failed never gets a post_send; the oldest is forgotten first).
 _MAX_SENDS_IN_FLIGHT: Final = 4096
@@ -129,6 +143,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         default_success_ttl: int = 0,
         client: Redis | RedisCluster | None = None,
         metrics: bool = True,
+        default_exclusive: bool = True,
     ) -> None:
         """Configure the middleware; nothing connects until the broker starts.
 
@@ -169,6 +184,12 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             metrics: Whether to record the Prometheus metrics (see
                 [Events and metrics](observability.md)) when ``prometheus_client``
                 is installed; they are recorded from the broker's startup on.
+            default_exclusive: Whether the runs of one lock key never overlap,
+                unless the ``deduplication_exclusive`` label says otherwise: a run
+                that begins while another run of its key goes on (a copy the
+                broker delivered again, a call queued under ``"started"``) waits
+                for it to end or for its lease to lapse; a copy of a run that
+                succeeded does not run its body again.
 
         Raises:
             ValueError: An option is missing, of the wrong type or out of range.
@@ -194,12 +215,14 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         policy = options.check_until(default_until)
         self.default_until = policy.name
         self.default_success_ttl = options.check_success_ttl(default_success_ttl)
+        self.default_exclusive = options.check_bool("default_exclusive", default_exclusive)
         self._defaults = labels.Defaults(
             enabled=self.default_deduplication,
             ttl=self.default_ttl,
             policy=policy,
             success_ttl=self.default_success_ttl,
             heartbeat=self.heartbeat,
+            exclusive=self.default_exclusive,
         )
         self.metrics = options.check_bool("metrics", metrics)
         self._events = EventSink()
@@ -220,6 +243,8 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         self._sends: dict[str, bool] = {}
         # Whether each task (by name) takes a TaskLock, so that its sends draw a fence.
         self._fenced: dict[str, bool] = {}
+        # Tasks whose runs cannot be exclusive here (said once each).
+        self._not_exclusive: set[str] = set()
 
     def subscribe(self, subscriber: Subscriber) -> Callable[[], None]:
         """Call ``subscriber`` with every [LockEvent][taskiq_deduplication.LockEvent] from now on.
@@ -334,10 +359,10 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             self._outcome(LockEventKind.OFF, message, None, None)
             return message
         running = self._executions.current(message.task_id)
-        earlier = running.lock if running is not None else self._lock_of(message)
+        earlier = running.holds if running is not None else self._lock_of(message)
         policy = send.policy
         if earlier is not None and policy.retry is RetrySend.KEEP:
-            return self._keep(message, earlier, running, send)
+            return await self._keep(message, earlier, running, send)
         key = (
             earlier.key if earlier is not None else keys.lock_key_of(self.key_prefix, message, send)
         )
@@ -374,6 +399,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         if running is not None:
             running.resent = Resent.WITH_THE_LOCK
             running.stop_heartbeat()
+            await self._hand_run_over(running, lock, message)
         self._record(message, key, lock.token, send, acquired.fence if acquired else None)
         if self._events.active:  # inline: the one point every accepted send passes
             self._outcome(LockEventKind.LOCKED, message, key, message.task_id)
@@ -386,7 +412,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             self._sends.pop(next(iter(self._sends), ""), None)
         self._sends[token] = False
 
-    def _keep(
+    async def _keep(
         self,
         message: TaskiqMessage,
         earlier: Lock,
@@ -397,6 +423,8 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         self._kept.set(earlier.value)  # this kiq's post_send leaves its TTL alone
         if running is not None:
             running.resent = Resent.WITH_THE_LOCK
+            running.stop_heartbeat()
+            await self._hand_run_over(running, earlier, message)
         fence = running.fence if running is not None else self._recorded_fence(message)
         self._record(message, earlier.key, earlier.token, send, fence)
         self._outcome(LockEventKind.LOCKED, message, earlier.key, message.task_id)
@@ -447,14 +475,19 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         )
         execution.fence = recorded.fence
         self._executions.begin(execution)
-        if recorded.merge is not None or recorded.fence is not None:
-            await self._claim(execution, recorded, message)
+        run = self._run_slot(execution, recorded, state) if recorded.exclusive else None
+        if run is not None or recorded.merge is not None or recorded.fence is not None:
+            await self._claim(execution, recorded, message, run)
         elif policy.at_start is Step.REASSERT:
             await self._reassert(execution, message)
         else:
             await self._apply(policy.at_start, execution, message)
-        if policy.heartbeat and self.heartbeat and execution.owned:
-            execution.beat = Beat(execution.lease, message.task_name, self._interval(execution))
+        if execution.skipped:
+            message.args = NotRun(message.args)
+            return message
+        if self.heartbeat and (execution.run is not None or (policy.heartbeat and execution.owned)):
+            lease = execution.run or execution.lease
+            execution.beat = Beat(lease, message.task_name, self._interval(execution))
             state.heartbeat.add(execution.beat)
         return message
 
@@ -483,16 +516,25 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         if execution is None:
             return
         self._executions.end(execution)
-        if execution.resent is Resent.WITH_THE_LOCK or not execution.owned:
+        if execution.skipped or execution.resent is Resent.WITH_THE_LOCK:
             return
         policy = execution.policy
-        if execution.passed_on(message, result):
-            step = policy.passed_on
-        elif execution.resent is None and not result.is_err:
-            step = policy.on_success
-        else:
-            step = policy.on_failure
-        await self._apply(step, execution, message)
+        passed_on = execution.passed_on(message, result)
+        succeeded = not passed_on and execution.resent is None and not result.is_err
+        run = execution.run
+        if run is not None and run.key == execution.lock.key:
+            await self._finish(execution, message, passed_on=passed_on, succeeded=succeeded)
+            return
+        if execution.owned:
+            if passed_on:
+                step = policy.passed_on
+            elif succeeded:
+                step = policy.on_success
+            else:
+                step = policy.on_failure
+            await self._apply(step, execution, message)
+        if run is not None:
+            await self._finish(execution, message, passed_on=passed_on, succeeded=succeeded)
 
     # The mechanics
 
@@ -739,12 +781,18 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         )
 
     async def _claim(
-        self, execution: Execution, recorded: RecordedLock, message: TaskiqMessage
+        self,
+        execution: Execution,
+        recorded: RecordedLock,
+        message: TaskiqMessage,
+        run: Lock | None,
     ) -> None:
-        """Begin a run that merges calls or has a fence: wait out its debounce, claim.
+        """Begin a run that is exclusive, merges calls or has a fence, in one script.
 
-        The claim replaces the policy's step at the start (one round trip, as
-        that step is); a debounce adds one per wake-up while it waits.
+        An exclusive run first waits, polling, while another run of its key
+        goes on; a debounce waits out its quiet period. The claim replaces the
+        policy's step at the start (one round trip, as that step is); each
+        wait adds one per look.
         """
         lease = execution.lease
         step = _CLAIM_STEPS.get(execution.policy.at_start, "nothing")
@@ -754,32 +802,209 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             "fence_key": fence_key(self.key_prefix) if recorded.fence is not None else None,
         }
         locks = execution.state.locks
+        waited = False
         while True:
             try:
                 claimed: Claimed = await locks.claim(
-                    lease, step=step, debounce=recorded.merge or (0, 0), **keys
+                    lease,
+                    step=step,
+                    debounce=recorded.merge or (0, 0),
+                    run=run,
+                    linger=_linger(execution),
+                    **keys,
                 )
             except REDIS_ERRORS as exc:
-                logger.warning(
-                    "Could not begin the run of task %s (%s) with lock %r: %s: %s; it runs "
-                    "with the arguments it was sent with",
-                    message.task_name,
-                    message.task_id,
-                    lease.key,
-                    type(exc).__name__,
-                    exc,
-                )
+                plain = not merging and recorded.fence is None
+                self._not_begun(execution, message, exc, plain=plain)
+                return
+            if claimed.skipped_for is not None:
+                self._skip(execution, message, claimed.skipped_for)
                 return
             if not claimed.wait_ms:
                 break
-            # Debounce: the lock was kept for one lease; look again before it ends.
-            await asyncio.sleep(min(claimed.wait_ms, lease.ttl_ms // 3) / 1000)
+            if claimed.waiting_for is None:  # a debounce: the lock was kept for one lease
+                await asyncio.sleep(min(claimed.wait_ms, lease.ttl_ms // 3) / 1000)
+                continue
+            if not waited:
+                waited = True
+                self._waits(execution, message, claimed.waiting_for)
+            await asyncio.sleep(min(self._poll(execution), claimed.wait_ms / 1000))
+        execution.run = run
         if claimed.fence is not None:
             execution.fence = claimed.fence
-        self._started(execution, message, claimed.outcome)
+        if run is not None and run.key == lease.key and isinstance(claimed.outcome, str):
+            self._took_over(execution, message, claimed.outcome)
+        else:
+            self._started(execution, message, claimed.outcome)
         if claimed.arguments is not None:
             latest = self.broker.formatter.loads(base64.b64decode(claimed.arguments))
             message.args, message.kwargs = latest.args, latest.kwargs
+
+    @staticmethod
+    def _not_begun(
+        execution: Execution, message: TaskiqMessage, exc: BaseException, *, plain: bool
+    ) -> None:
+        """Say that a run begins without its claim, because Redis failed.
+
+        ``plain``: the run neither merges calls nor has a fence, so the claim
+        stood for its policy's step alone.
+        """
+        if plain and execution.policy.at_start is Step.REASSERT:
+            text = "Could not re-assert lock %r of task %s (%s): %s: %s; " + _NOT_BEGUN
+            args: tuple[object, ...] = (execution.lock.key, message.task_name, message.task_id)
+        else:
+            text = "Could not begin the run of task %s (%s) with lock %r: %s: %s; " + _NOT_BEGUN
+            args = (message.task_name, message.task_id, execution.lock.key)
+        logger.warning(text, *args, type(exc).__name__, exc)
+
+    def _run_slot(
+        self, execution: Execution, recorded: RecordedLock, state: LoopState
+    ) -> Lock | None:
+        """The run slot an exclusive run is to hold, under a new run token.
+
+        A ``"finished"`` lock is its own run slot; the other policies keep one
+        beside the lock (on a cluster that needs the prefix's hash tag: without
+        one, their runs are not exclusive, which is said once per task).
+        """
+        lease = execution.lease
+        token = new_run_token(recorded.token)
+        if execution.policy.at_start is Step.REASSERT:
+            return Lock(lease.key, token, lease.task_id, lease.ttl_ms)
+        key = run_key(self.key_prefix, lease.key)
+        if key is None or (isinstance(state.client, RedisCluster) and "{" not in self.key_prefix):
+            if execution.task_name not in self._not_exclusive:
+                self._not_exclusive.add(execution.task_name)
+                logger.warning(
+                    "Runs of task %s are not exclusive: under deduplication_until=%r its "
+                    "run slot lives beside its lock, which on Redis Cluster needs a "
+                    "key_prefix with a hash tag, such as '{dedup}'",
+                    execution.task_name,
+                    execution.policy.name,
+                )
+            return None
+        return Lock(key, token, lease.task_id, lease.ttl_ms)
+
+    def _poll(self, execution: Execution) -> float:
+        """Seconds between two looks of a run that waits for another run of its key."""
+        return min(self._interval(execution) / 4, _MAX_POLL)
+
+    def _waits(self, execution: Execution, message: TaskiqMessage, slot: str) -> None:
+        holder = holder_task_id(slot)
+        logger.info(
+            "Task %s (%s) waits to run: %s goes on under its lock %r",
+            message.task_name,
+            message.task_id,
+            "another run of this task" if holder == message.task_id else f"task {holder}",
+            execution.lock.key,
+        )
+        self._events.emit(
+            LockEventKind.WAITING, message.task_name, message.task_id, execution.lock.key, holder
+        )
+
+    def _skip(self, execution: Execution, message: TaskiqMessage, slot: str) -> None:
+        """End a delivery that must not run: its run succeeded, or a retry carries it on."""
+        execution.skipped = True
+        logger.info(
+            "Task %s (%s) not run: the broker delivered it again, and %s (lock %r)",
+            message.task_name,
+            message.task_id,
+            "its run succeeded"
+            if slot.startswith(SUCCEEDED_MARK)
+            else "a retry of it took its lock over",
+            execution.lock.key,
+        )
+        self._events.emit(
+            LockEventKind.SKIPPED,
+            message.task_name,
+            message.task_id,
+            execution.lock.key,
+            holder_task_id(slot),
+        )
+
+    def _took_over(self, execution: Execution, message: TaskiqMessage, holder: str) -> None:
+        """Say that an exclusive run took its lock from a send that was queued meanwhile."""
+        logger.warning(
+            "Lock %r of task %s (%s) had expired while the task was queued and task %s "
+            "took it; this run takes it back, and that task's run will wait for it",
+            execution.lock.key,
+            message.task_name,
+            message.task_id,
+            holder_task_id(holder),
+        )
+        self._events.emit(
+            LockEventKind.TAKEN_BACK,
+            message.task_name,
+            message.task_id,
+            execution.lock.key,
+            message.task_id,
+        )
+
+    async def _finish(
+        self, execution: Execution, message: TaskiqMessage, *, passed_on: bool, succeeded: bool
+    ) -> None:
+        """End an exclusive run's hold on its run slot; errors are logged, never raised."""
+        run = execution.run
+        assert run is not None  # noqa: S101 (the callers check)
+        locks = execution.state.locks
+        linger = _linger(execution)
+        try:
+            if passed_on and run.key == execution.lock.key:
+                # The requeued message finds its own lock, for its full TTL.
+                await locks.hand_over(run, execution.lock, linger=linger)
+            elif succeeded:
+                remembered = execution.success_ttl * 1000
+                waited = int(2 * self._poll(execution) * 1000) + _WAITED_MARGIN_MS
+                ended = await locks.finish(
+                    run, "succeeded", remembered, waited_ms=waited, linger=linger
+                )
+                if ended and not remembered and run.key == execution.lock.key:
+                    self._events.emit(
+                        LockEventKind.RELEASED, message.task_name, message.task_id, run.key, None
+                    )
+            elif await locks.finish(run, "failed", linger=linger) and run.key == execution.lock.key:
+                self._events.emit(
+                    LockEventKind.RELEASED, message.task_name, message.task_id, run.key, None
+                )
+        except REDIS_ERRORS as exc:
+            if run.key != execution.lock.key:
+                what = "free the run slot"
+            elif passed_on:
+                what = "hand on"
+            else:
+                what = "keep" if succeeded and execution.success_ttl else "release"
+            logger.warning(
+                "Could not %s %r of task %s (%s): %s: %s; it expires in %ds",
+                what if run.key != execution.lock.key else what + " lock",
+                run.key,
+                message.task_name,
+                message.task_id,
+                type(exc).__name__,
+                exc,
+                run.ttl_ms // 1000,
+            )
+
+    async def _hand_run_over(self, running: Execution, to: Lock, message: TaskiqMessage) -> None:
+        """Hand a run slot beside the lock to the retry that carries the run on.
+
+        (A ``"finished"`` lock is its own run slot: the retry's send took it over.)
+        """
+        run = running.run
+        if run is None or run.key == running.lock.key:
+            return
+        try:
+            await running.state.locks.hand_over(run, Lock(run.key, to.token, to.task_id, to.ttl_ms))
+        except REDIS_ERRORS as exc:
+            logger.warning(
+                "Could not hand the run of task %s (%s) in %r to its retry: %s: %s; "
+                "the retry may wait for it until it expires in %ds",
+                message.task_name,
+                message.task_id,
+                run.key,
+                type(exc).__name__,
+                exc,
+                run.ttl_ms // 1000,
+            )
+        running.run = None
 
     def _serialise_arguments(self, message: TaskiqMessage) -> bytes:
         """The call's arguments as the broker sends them (its formatter and serializer)."""
@@ -829,7 +1054,14 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
     ) -> None:
         merge = send.merge if merge_key(self.key_prefix, key) is not None else None
         recorded = RecordedLock(
-            key, token, send.ttl, send.policy.name, send.success_ttl, fence, merge
+            key,
+            token,
+            send.ttl,
+            send.policy.name,
+            send.success_ttl,
+            fence,
+            merge,
+            exclusive=send.exclusive,
         )
         write_lock_labels(message.labels, recorded, message.task_id)
 

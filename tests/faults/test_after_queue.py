@@ -192,7 +192,9 @@ async def test_reassert_at_execution_takes_back_a_lock_lost_while_queued(
 async def test_a_task_whose_lock_another_send_took_while_queued_leaves_it_alone(
     make_recording_broker: BrokerMaker, server: Server, prefix: str, logs: LogRecords
 ) -> None:
-    broker = await make_recording_broker(f"{server.url}?{FAST}", hold=True, default_ttl=30)
+    broker = await make_recording_broker(
+        f"{server.url}?{FAST}", hold=True, default_ttl=30, default_exclusive=False
+    )
 
     @broker.task
     async def work(x: int) -> int:

@@ -42,7 +42,17 @@ USER = "dedup"
 PASSWORD = "pw-" + uuid.uuid4().hex
 
 #: Every command the middleware sends, or its scripts run.
-MINIMAL_COMMANDS = ("ping", "script|load", "evalsha", "eval", "get", "set", "pexpire", "del")
+MINIMAL_COMMANDS = (
+    "ping",
+    "script|load",
+    "evalsha",
+    "eval",
+    "get",
+    "set",
+    "pexpire",
+    "pttl",
+    "del",
+)
 
 
 def minimal_acl(key_prefix: str, commands: tuple[str, ...] = MINIMAL_COMMANDS) -> list[str]:
@@ -218,7 +228,10 @@ async def test_without_pexpire_the_lock_keeps_only_its_grace_ttl(
     make_recording_broker: BrokerMaker, server: Server, prefix: str, logs: LogRecords
 ) -> None:
     _set_user(server, minimal_acl(prefix, tuple(c for c in MINIMAL_COMMANDS if c != "pexpire")))
-    broker = await make_recording_broker(_acl_url(server.port), default_ttl=60)
+    # Not exclusive: an exclusive run's start sets its lock's value (and TTL) anew.
+    broker = await make_recording_broker(
+        _acl_url(server.port), default_ttl=60, default_exclusive=False
+    )
     finish = asyncio.Event()
 
     @broker.task

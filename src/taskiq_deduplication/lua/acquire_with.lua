@@ -31,7 +31,7 @@ local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
-if current and current ~= value and current ~= ARGV[4] then
+if current and current ~= value and current ~= ARGV[4] and current ~= ARGV[4] .. ' +' then
   if merging and ARGV[8] ~= '1' and redis.call('EXISTS', KEYS[2]) == 1 then
     redis.call('HSET', KEYS[2], 'args', ARGV[5], 'last', now_ms())
     return {2, current}

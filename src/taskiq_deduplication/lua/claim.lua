@@ -1,30 +1,79 @@
--- Begin the run of a task that merges its calls or has a fence: wait out its
--- debounce, claim the latest arguments, and do its policy's step at the start.
+-- Begin the run of a task, in one step: wait for the live run of its key (an
+-- exclusive run), wait out its debounce, claim the latest merged arguments,
+-- and do its policy's step at the start.
 --
--- KEYS[1]      the lock key
--- KEYS[2]      the merge key, when ARGV[6] is "1"
--- KEYS[#KEYS]  the fence counter, when ARGV[7] is "1"
--- ARGV[1]      the lock's value: "<owner token> <task_id>"
--- ARGV[2]      the lock's TTL while its task runs (or waits), in milliseconds
--- ARGV[3]      the debounce's quiet period in ms (0: no debounce)
--- ARGV[4]      the debounce's maximum wait in ms (0: none)
--- ARGV[5]      the step at the start: "reassert", "release" or "nothing"
--- ARGV[6]      "1" for a task that merges its calls
--- ARGV[7]      "1" for a lock with a fence: taking it back draws a new one
+-- KEYS[1]  the lock key
+-- KEYS[2]  the merge key when ARGV[6] is "1", else KEYS[1] again
+-- KEYS[3]  the fence counter when ARGV[7] is "1", else KEYS[1] again
+-- KEYS[4]  the run slot of an exclusive run: KEYS[1] itself for the "finished"
+--          policy (its lock is its run slot), else the run key beside the lock;
+--          KEYS[1] again for a run that is not exclusive
+-- ARGV[1]  the lock's value as it was sent: "<owner token> <task_id>"
+-- ARGV[2]  the TTL of the lock (and run slot) while the task runs or waits, in ms
+-- ARGV[3]  the debounce's quiet period in ms (0: no debounce)
+-- ARGV[4]  the debounce's maximum wait in ms (0: none)
+-- ARGV[5]  the step at the start: "reassert", "release" or "nothing"
+-- ARGV[6]  "1" for a task that merges its calls
+-- ARGV[7]  "1" for a lock with a fence: taking it back draws a new one
+-- ARGV[8]  the run token of an exclusive run ("~..."), or "" for a run that is not
 --
--- Returns {0, wait}: the debounce is not over, call again in wait ms (the lock
--- and the merge key were given ARGV[2] more). Otherwise {outcome, fence,
--- args}: outcome 1 (the lock is still this run's, or was released), 2 (it had
--- vanished and was taken back, with a new fence if it has one, else fence 0),
--- or the value of the lock another send holds (then nothing was touched);
--- args are the latest merged arguments, or "" when there are none to claim.
+-- A run slot holds "<run token> <task_id>" while its run goes on, with " +"
+-- after it once a copy of the same task waits for it; "=<...> <task_id>" once
+-- that run succeeded (remembered for the success TTL, or kept briefly for the
+-- copies that waited).
+--
+-- Returns one of:
+--   {0, wait}               the debounce is not over: call again in wait ms
+--   {3, wait, value}        another run of the key (value) goes on: call again
+--                           in at most wait ms (nothing else was touched, but
+--                           a waiting copy's own queued lock, and its merged
+--                           arguments, were kept alive)
+--   {4, 0, value}           this delivery must not run: a run of its task
+--                           succeeded ("=...") or a retry took its lock over
+--   {outcome, fence, args}  the run begins: outcome 1 (the lock was this send's,
+--                           refreshed or released), 2 (it had vanished and was
+--                           taken back, with a new fence if it has one), or the
+--                           value of another send's lock (a run that is not
+--                           exclusive leaves it untouched; an exclusive
+--                           "finished" run takes it, with a new fence); args
+--                           are the latest merged arguments, or "".
+-- An exclusive run that begins holds its run slot: "<run token> <task_id>".
 local value = ARGV[1]
 local ttl = ARGV[2]
 local merging = ARGV[6] == '1'
+local run = ARGV[8]
+local exclusive = run ~= ''
+local task = string.match(value, '^%S+ (%S+)')
 local current = redis.call('GET', KEYS[1])
-if current and current ~= value then
+
+if exclusive then
+  local slot = current
+  if KEYS[4] ~= KEYS[1] then
+    slot = redis.call('GET', KEYS[4])
+  end
+  if slot and slot ~= value then
+    local same_task = string.match(slot, '^%S+ (%S+)') == task
+    local first = string.sub(slot, 1, 1)
+    if first == '~' then
+      if same_task and string.sub(slot, -2) ~= ' +' then
+        redis.call('SET', KEYS[4], slot .. ' +', 'KEEPTTL')
+      end
+      if KEYS[4] ~= KEYS[1] and current == value then
+        redis.call('PEXPIRE', KEYS[1], ttl)
+        if merging then
+          redis.call('PEXPIRE', KEYS[2], ttl)
+        end
+      end
+      return {3, redis.call('PTTL', KEYS[4]), slot}
+    end
+    if same_task then
+      return {4, 0, slot}
+    end
+  end
+elseif current and current ~= value then
   return {current, 0, ''}
 end
+
 if merging and ARGV[3] ~= '0' then
   local times = redis.call('HMGET', KEYS[2], 'first', 'last')
   if times[2] then
@@ -36,9 +85,9 @@ if merging and ARGV[3] ~= '0' then
       due = math.min(due, first + tonumber(ARGV[4]))
     end
     if first > 0 and due > now then
-      if current then
+      if current == value then
         redis.call('PEXPIRE', KEYS[1], ttl)
-      else
+      elseif not current then
         redis.call('SET', KEYS[1], value, 'PX', ttl)
       end
       redis.call('PEXPIRE', KEYS[2], ttl)
@@ -46,26 +95,43 @@ if merging and ARGV[3] ~= '0' then
     end
   end
 end
+
 local args = ''
 if merging then
   args = redis.call('HGET', KEYS[2], 'args') or ''
   redis.call('DEL', KEYS[2])
 end
 local outcome = 1
+if current and current ~= value then
+  outcome = current
+end
 local fence = 0
+local held = value
+if exclusive then
+  held = run .. ' ' .. task
+end
 if ARGV[5] == 'release' then
-  if current then
+  if current == value then
     redis.call('DEL', KEYS[1])
   end
 elseif ARGV[5] == 'reassert' then
-  if current then
-    redis.call('PEXPIRE', KEYS[1], ttl)
-  else
-    redis.call('SET', KEYS[1], value, 'PX', ttl)
-    outcome = 2
+  if current == value then
+    if exclusive then
+      redis.call('SET', KEYS[1], held, 'PX', ttl)
+    else
+      redis.call('PEXPIRE', KEYS[1], ttl)
+    end
+  elseif exclusive or not current then
+    redis.call('SET', KEYS[1], held, 'PX', ttl)
+    if not current then
+      outcome = 2
+    end
     if ARGV[7] == '1' then
-      fence = redis.call('INCR', KEYS[#KEYS])
+      fence = redis.call('INCR', KEYS[3])
     end
   end
+end
+if exclusive and KEYS[4] ~= KEYS[1] then
+  redis.call('SET', KEYS[4], held, 'PX', ttl)
 end
 return {outcome, fence, args}

@@ -3,8 +3,10 @@
 -- KEYS[1]  the lock key
 -- ARGV[1]  the lock's value: "<owner token> <task_id>"
 --
--- Returns 1 when the lock's value is ARGV[1], else 0 (expired, or another holder).
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+-- Returns 1 when the lock's value is ARGV[1] (with " +" after it when a copy of
+-- the run waits for it), else 0 (expired, or another holder).
+local current = redis.call('GET', KEYS[1])
+if current == ARGV[1] or current == ARGV[1] .. ' +' then
   return 1
 end
 return 0

@@ -6,7 +6,8 @@
 -- ARGV[i + 1]  the value of lock i: "<owner token> <task_id>"
 --
 -- Returns one entry per key: 1 refreshed, 2 taken back, or the value of the
--- lock that another send now holds (left untouched).
+-- lock that another send now holds (left untouched). A value with " +" after
+-- it (an exclusive run that a copy of its task waits for) is still the lock's.
 local ttl = ARGV[1]
 local results = {}
 for i, key in ipairs(KEYS) do
@@ -15,7 +16,7 @@ for i, key in ipairs(KEYS) do
   if not current then
     redis.call('SET', key, value, 'PX', ttl)
     results[i] = 2
-  elseif current == value then
+  elseif current == value or current == value .. ' +' then
     redis.call('PEXPIRE', key, ttl)
     results[i] = 1
   else

@@ -1,0 +1,389 @@
+"""Exclusive runs: runs of one lock key never overlap, and a succeeded run is not run again.
+
+A broker that delivers at least once hands a worker a copy of a message while
+its first run goes on (a Streams reclaim, a NATS ``ack_wait``) or after it
+succeeded (a RabbitMQ redelivery after a lost connection). Here the holding
+broker delivers the very same message twice, as those brokers do, through
+taskiq's real receiver; the end-to-end suite does it with the real brokers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+import redis.asyncio
+from taskiq import SimpleRetryMiddleware, SmartRetryMiddleware, TaskiqMiddleware
+
+from taskiq_deduplication import DuplicateTaskError, LockEventKind, RedisDeduplicationMiddleware
+from taskiq_deduplication._formats import holder_task_id
+from tests._brokers import HoldingBroker, retry_middleware
+from tests.conftest import (
+    BrokerFactory,
+    MiddlewareFactory,
+    dedup_middleware,
+    lock_keys,
+    lock_value,
+    running_beats,
+)
+
+
+class Runs:
+    """When each body began and ended, by the order they began in."""
+
+    def __init__(self) -> None:
+        self.spans: list[list[float]] = []
+
+    def begin(self) -> int:
+        self.spans.append([time.monotonic(), float("inf")])
+        return len(self.spans) - 1
+
+    def end(self, index: int) -> None:
+        self.spans[index][1] = time.monotonic()
+
+    def overlaps(self) -> int:
+        """How many pairs of bodies ran at the same time."""
+        spans = sorted(self.spans)
+        return sum(
+            1 for i, (_, end) in enumerate(spans) for begin, _ in spans[i + 1 :] if begin < end
+        )
+
+
+def events_of(middleware: RedisDeduplicationMiddleware) -> list[Any]:
+    seen: list[Any] = []
+    middleware.subscribe(seen.append)
+    return seen
+
+
+async def deliver_copy(broker: HoldingBroker, message: Any) -> None:
+    """Deliver ``message`` once more, as a broker that redelivers it does."""
+    await broker.receiver.callback(message=message.message)
+
+
+async def test_a_copy_delivered_while_its_run_goes_on_waits_and_is_not_run_after_a_success(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker, default_ttl=3)
+    middleware = dedup_middleware(broker)
+    events = events_of(middleware)
+    runs = Runs()
+    release = asyncio.Event()
+
+    @broker.task
+    async def charge(order: int) -> str:
+        index = runs.begin()
+        await release.wait()
+        runs.end(index)
+        return f"charged {order}"
+
+    sent = await charge.kiq(7)
+    (message,) = broker.queued
+    first = asyncio.create_task(broker.deliver_one())
+    await asyncio.sleep(0.3)
+    copy = asyncio.create_task(deliver_copy(broker, message))
+    await asyncio.sleep(1.0)
+    assert len(runs.spans) == 1  # the copy waits
+    assert [e.kind for e in events if e.task_id == sent.task_id][-1] is LockEventKind.WAITING
+    with pytest.raises(DuplicateTaskError):
+        await charge.kiq(7)  # still one call, and still held
+    release.set()
+    await asyncio.wait_for(asyncio.gather(first, copy), timeout=10)
+    assert len(runs.spans) == 1
+    skipped = [e for e in events if e.kind is LockEventKind.SKIPPED]
+    assert [(e.task_id, e.holder_task_id) for e in skipped] == [(sent.task_id, sent.task_id)]
+    result = await broker.result_backend.get_result(sent.task_id)
+    assert result.return_value == "charged 7"  # the copy did not overwrite it
+    assert running_beats(middleware) == []
+    # The success is kept only as long as the copies that waited need to see it.
+    (key,) = await lock_keys(redis_client, prefix)
+    assert 0 < await redis_client.pttl(key) <= 3000
+    await asyncio.sleep(await redis_client.pttl(key) / 1000 + 0.1)
+    assert await lock_keys(redis_client, prefix) == []
+    await charge.kiq(7)  # a new call is accepted
+
+
+async def test_a_run_alone_leaves_nothing_when_it_succeeds(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task
+    async def job() -> None: ...
+
+    await job.kiq()
+    await broker.deliver()
+    assert await redis_client.keys(f"{prefix}*") == []
+    await job.kiq()  # accepted at once
+
+
+async def test_a_copy_of_a_run_whose_success_is_remembered_does_not_run_again(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    retry = SimpleRetryMiddleware(default_retry_count=3)
+    broker = await make_broker(broker_class=HoldingBroker)
+    broker.add_middlewares(retry)
+    middleware = dedup_middleware(broker)
+    events = events_of(middleware)
+    bodies: list[int] = []
+
+    @broker.task(deduplication_success_ttl=60, retry_on_error=True)
+    async def charge(order: int) -> str:
+        bodies.append(order)
+        return "charged"
+
+    sent = await charge.kiq(1)
+    (message,) = broker.queued
+    await broker.deliver()
+    # The worker died before the ack: the broker delivers the message again.
+    await deliver_copy(broker, message)
+    assert bodies == [1]
+    assert broker.queued == []  # not retried
+    assert [e.kind for e in events if e.kind is LockEventKind.SKIPPED] == [LockEventKind.SKIPPED]
+    result = await broker.result_backend.get_result(sent.task_id)
+    assert result.return_value == "charged"
+    (key,) = await lock_keys(redis_client, prefix)
+    assert holder_task_id(await lock_value(redis_client, key)) == sent.task_id
+    with pytest.raises(DuplicateTaskError) as refused:
+        await charge.kiq(1)  # the idempotency key still holds, naming the task
+    assert refused.value.holder_task_id == sent.task_id
+
+
+async def test_a_copy_of_a_run_that_failed_runs_after_it_and_never_beside_it(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker, default_ttl=3)
+    runs = Runs()
+    release = asyncio.Event()
+
+    @broker.task
+    async def job() -> None:
+        index = runs.begin()
+        first = index == 0
+        await release.wait()
+        runs.end(index)
+        if first:
+            msg = "the first run fails"
+            raise RuntimeError(msg)
+
+    await job.kiq()
+    (message,) = broker.queued
+    first = asyncio.create_task(broker.deliver_one())
+    await asyncio.sleep(0.3)
+    copy = asyncio.create_task(deliver_copy(broker, message))
+    await asyncio.sleep(0.8)
+    assert len(runs.spans) == 1
+    release.set()
+    await asyncio.wait_for(asyncio.gather(first, copy), timeout=10)
+    assert len(runs.spans) == 2
+    assert runs.overlaps() == 0
+    assert await lock_keys(redis_client, prefix) == []
+
+
+async def test_a_copy_whose_run_lost_its_worker_runs_once_the_lease_lapses(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker, default_ttl=30, running_ttl=3)
+    bodies: list[float] = []
+
+    @broker.task
+    async def job() -> None:
+        bodies.append(time.monotonic())
+
+    sent = await job.kiq()
+    (key,) = await lock_keys(redis_client, prefix)
+    # A run of this very message began on a worker that then died: its slot
+    # lapses with its lease.
+    await redis_client.set(key, f"~deadrun001 {sent.task_id}", px=1500)
+    began = time.monotonic()
+    await asyncio.wait_for(broker.deliver(), timeout=10)
+    assert len(bodies) == 1
+    assert bodies[0] - began >= 1.4  # not before the dead run's lease lapsed
+    assert await lock_keys(redis_client, prefix) == []
+
+
+@pytest.mark.parametrize("exclusive", [True, False])
+async def test_a_call_queued_under_started_runs_after_the_run_that_goes_on(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str, exclusive: bool
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker, default_ttl=3)
+    runs = Runs()
+    release = asyncio.Event()
+
+    @broker.task(
+        deduplication_until="started",
+        deduplication_key="refresh",
+        deduplication_exclusive=exclusive,
+    )
+    async def refresh() -> None:
+        index = runs.begin()
+        await release.wait()
+        runs.end(index)
+
+    await refresh.kiq()
+    first = asyncio.create_task(broker.deliver_one())
+    await asyncio.sleep(0.3)
+    await refresh.kiq()  # accepted: the first one started
+    second = asyncio.create_task(broker.deliver_one())
+    await asyncio.sleep(0.8)
+    assert len(runs.spans) == (1 if exclusive else 2)
+    if exclusive:
+        with pytest.raises(DuplicateTaskError):
+            await refresh.kiq()  # the second still counts as queued while it waits
+    release.set()
+    await asyncio.wait_for(asyncio.gather(first, second), timeout=10)
+    assert len(runs.spans) == 2
+    assert runs.overlaps() == (0 if exclusive else 1)
+    assert await redis_client.keys(f"{prefix}*") == []
+
+
+async def test_a_call_accepted_after_an_expired_window_waits_for_the_last_run(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+    runs = Runs()
+    release = asyncio.Event()
+
+    @broker.task(deduplication_until="expired", deduplication_ttl=1, deduplication_key="digest")
+    async def digest() -> None:
+        index = runs.begin()
+        await release.wait()
+        runs.end(index)
+
+    await digest.kiq()
+    first = asyncio.create_task(broker.deliver_one())
+    await asyncio.sleep(1.2)  # the window is over while the run goes on
+    await digest.kiq()
+    second = asyncio.create_task(broker.deliver_one())
+    await asyncio.sleep(0.8)
+    assert len(runs.spans) == 1
+    release.set()
+    await asyncio.wait_for(asyncio.gather(first, second), timeout=10)
+    assert len(runs.spans) == 2
+    assert runs.overlaps() == 0
+    await asyncio.sleep(1.1)
+    assert await redis_client.keys(f"{prefix}*") == []
+
+
+@pytest.mark.parametrize("policy", ["finished", "started", "expired"])
+@pytest.mark.parametrize("retry_class", [SimpleRetryMiddleware, SmartRetryMiddleware])
+@pytest.mark.parametrize("dedup_first", [True, False])
+async def test_a_retry_never_waits_for_the_attempt_it_continues(
+    make_middleware: MiddlewareFactory,
+    make_broker: BrokerFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+    policy: str,
+    retry_class: type[TaskiqMiddleware],
+    dedup_first: bool,
+) -> None:
+    dedup = make_middleware()
+    retry = retry_middleware(retry_class)
+    middlewares = [dedup, retry] if dedup_first else [retry, dedup]
+    broker = await make_broker(middlewares=middlewares, await_inplace=True)
+    runs = Runs()
+
+    @broker.task(deduplication_until=policy, retry_on_error=True, max_retries=3)
+    async def flaky() -> None:
+        index = runs.begin()
+        await asyncio.sleep(0.05)
+        runs.end(index)
+        if len(runs.spans) < 3:
+            msg = "not yet"
+            raise RuntimeError(msg)
+
+    await asyncio.wait_for(flaky.kiq(), timeout=15)  # in place: a deadlock would hang here
+    await asyncio.wait_for(broker.wait_all(), timeout=15)
+    assert len(runs.spans) == 3
+    assert runs.overlaps() == 0
+    await dedup.shutdown()
+    if policy != "expired":
+        assert await redis_client.keys(f"{prefix}*") == []
+
+
+async def test_a_copy_of_an_attempt_that_a_retry_carries_on_is_not_run(
+    make_middleware: MiddlewareFactory,
+    make_broker: BrokerFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+) -> None:
+    dedup = make_middleware()
+    broker = await make_broker(
+        middlewares=[dedup, SimpleRetryMiddleware(default_retry_count=3)],
+        broker_class=HoldingBroker,
+    )
+    events = events_of(dedup)
+    bodies: list[str] = []
+
+    @broker.task(retry_on_error=True)
+    async def flaky() -> None:
+        bodies.append("ran")
+        if len(bodies) == 1:
+            msg = "the first attempt fails"
+            raise RuntimeError(msg)
+
+    await flaky.kiq()
+    (attempt,) = broker.queued
+    await broker.deliver_one()  # fails, and its retry is queued
+    assert len(broker.queued) == 1
+    await deliver_copy(broker, attempt)  # the failed attempt, delivered again
+    assert bodies == ["ran"]
+    assert [e.kind for e in events][-1] is LockEventKind.SKIPPED
+    await broker.deliver()  # the retry
+    assert bodies == ["ran", "ran"]
+    assert await redis_client.keys(f"{prefix}*") == []
+
+
+async def test_one_running_and_one_queued_with_the_latest_arguments(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker, default_ttl=5)
+    ran: list[int] = []
+    runs = Runs()
+    release = asyncio.Event()
+
+    @broker.task(
+        deduplication_until="started", deduplication_key="sync", deduplication_merge="latest"
+    )
+    async def sync(version: int) -> None:
+        index = runs.begin()
+        ran.append(version)
+        if index == 0:
+            await release.wait()
+        runs.end(index)
+
+    await sync.kiq(1)
+    first = asyncio.create_task(broker.deliver_one())
+    await asyncio.sleep(0.3)
+    await sync.kiq(2)  # queued behind the run that goes on
+    second = asyncio.create_task(broker.deliver_one())
+    await asyncio.sleep(0.5)
+    for version in (3, 4, 5):
+        with pytest.raises(DuplicateTaskError) as merged:
+            await sync.kiq(version)  # merge into the copy that waits
+        assert merged.value.merged
+    release.set()
+    await asyncio.wait_for(asyncio.gather(first, second), timeout=10)
+    assert ran == [1, 5]
+    assert runs.overlaps() == 0
+    assert await redis_client.keys(f"{prefix}*") == []
+
+
+@pytest.mark.parametrize("value", ["maybe", 2, "[]"])
+async def test_a_bad_exclusive_label_is_refused_by_name(
+    make_broker: BrokerFactory, value: str | int
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task
+    async def job() -> None: ...
+
+    with pytest.raises(ValueError, match="deduplication_exclusive"):
+        await job.kicker().with_labels(deduplication_exclusive=value).kiq()
+    assert broker.queued == []
+
+
+def test_a_bad_default_exclusive_is_refused_by_name(make_middleware: MiddlewareFactory) -> None:
+    with pytest.raises(ValueError, match="default_exclusive"):
+        make_middleware(default_exclusive="yes")
