@@ -228,6 +228,14 @@ def test_install_lines_name_this_distribution() -> None:
                 assert install[1] == declared[1], f"{page.name}: {line.strip()}"
 
 
+@pytest.mark.parametrize("page", ["README.md", "docs/index.md", "docs/getting-started.md"])
+def test_the_install_pages_say_how_to_install_from_a_clone(page: str) -> None:
+    # Until the first release, `pip install taskiq-dedup` finds nothing on PyPI.
+    text = (ROOT / page).read_text("utf-8")
+    assert "not on PyPI" in text
+    assert re.search(r"pip install \.(?:\s|`|$)", text, re.MULTILINE), page
+
+
 # redis-py 8 gives up on a reply after 5 s by default (its socket_timeout). The
 # worker waits longer than that for its first message, as a worker does between
 # messages: without socket_timeout=None on its broker, it dies in that pause.
