@@ -23,6 +23,7 @@ from taskiq import InMemoryBroker
 from taskiq_deduplication import DuplicateTaskError
 from taskiq_deduplication.cli import main
 from tests._cli import dedup, one_line_error, start_dedup
+from tests._docs import documented_acl
 from tests.conftest import BrokerFactory, lock_keys
 
 
@@ -258,8 +259,9 @@ async def test_an_unreachable_redis_is_one_line_with_status_3() -> None:
     assert "secret" not in line
 
 
-# The ACL of docs/deploying.md, plus what listing needs.
-_MINIMAL = "+ping '+script|load' +evalsha +eval +get +set +pexpire +del".replace("'", "")
+# The user of docs/operations.md: the one of docs/deploying.md, plus what listing needs.
+_OPERATIONS = documented_acl("operations.md")
+_LISTING = ("scan",)
 
 
 @pytest.fixture
@@ -271,7 +273,7 @@ async def acl_user(redis_client: redis.asyncio.Redis, prefix: str) -> AsyncItera
     async def make(*extra: str) -> str:
         name = f"cli-{uuid.uuid4().hex[:8]}"
         names.append(name)
-        rules = ["reset", "on", ">pw", f"~{prefix}:*", *_MINIMAL.split(), *extra]
+        rules = [*_OPERATIONS.rules(prefix, "pw", _middleware_commands()), *extra]
         await admin.execute_command("ACL", "SETUSER", name, *rules)
         kwargs = redis_client.connection_pool.connection_kwargs
         return f"redis://{name}:pw@{kwargs['host']}:{kwargs['port']}/0"
@@ -283,12 +285,23 @@ async def acl_user(redis_client: redis.asyncio.Redis, prefix: str) -> AsyncItera
             await admin.execute_command("ACL", "DELUSER", name)
 
 
+def _middleware_commands() -> tuple[str, ...]:
+    return tuple(c for c in _OPERATIONS.commands if c not in _LISTING)
+
+
+def test_the_operations_user_is_the_deploying_user_plus_listing() -> None:
+    deploying = documented_acl("deploying.md")
+    assert _OPERATIONS.key_patterns == deploying.key_patterns
+    assert _middleware_commands() == deploying.commands
+    assert set(_OPERATIONS.commands) - set(deploying.commands) == set(_LISTING)
+
+
 async def test_the_minimal_acl_plus_scan_lists_and_releases(
     held: Held, acl_user: Any, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     ids = await held.jobs(2)
     scan_only, with_pttl, without_scan = await asyncio.gather(
-        acl_user("+scan"), acl_user("+scan", "+pttl"), acl_user()
+        acl_user("+scan", "-pttl"), acl_user("+scan"), acl_user()
     )
     listed, timed, refused = await asyncio.gather(
         dedup("list", "--prefix", prefix, "--json", "--url", scan_only),

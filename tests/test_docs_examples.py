@@ -13,12 +13,18 @@ what the script printed (stdout and stderr, in order) with that file, once task
 ids, owner tokens, digests, run suffixes and ports are replaced by placeholders.
 After a change that alters an output on purpose, record the files again with
 ``DOCS_EXAMPLES_RECORD=1 .venv/bin/pytest tests/test_docs_examples.py``.
+
+Every example module that builds a real broker for ``taskiq worker`` runs as one
+(see :data:`WORKER_APPS`): the worker idles past redis-py's 5-second read limit,
+and runs a task; the ones a reader starts with ``taskiq worker`` stop, idle, at one
+``SIGTERM`` (see :data:`WAKING_APPS`).
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import json
 import os
 import re
 import signal
@@ -27,7 +33,9 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -228,11 +236,21 @@ def test_install_lines_name_this_distribution() -> None:
                 assert install[1] == declared[1], f"{page.name}: {line.strip()}"
 
 
+@pytest.mark.parametrize("page", ["README.md", "docs/index.md", "docs/getting-started.md"])
+def test_the_install_pages_say_how_to_install_from_a_clone(page: str) -> None:
+    # Until the first release, `pip install taskiq-dedup` finds nothing on PyPI.
+    text = (ROOT / page).read_text("utf-8")
+    assert "not on PyPI" in text
+    assert re.search(r"pip install \.(?:\s|`|$)", text, re.MULTILINE), page
+
+
 # redis-py 8 gives up on a reply after 5 s by default (its socket_timeout). The
 # worker waits longer than that for its first message, as a worker does between
 # messages: without socket_timeout=None on its broker, it dies in that pause.
 _IDLE = 7.0
 _WORKER_START = 30.0
+# An idle worker that saw the signal stops within a second or two.
+_WORKER_STOP = 20.0
 _QUEUE = "welcome"  # the queue_name in docs/examples/worker/tasks.py
 
 
@@ -276,10 +294,196 @@ def test_getting_started_runs_against_a_taskiq_worker(redis_url: str, tmp_path: 
         assert "Traceback" not in worker_log, worker_log
         assert worker.poll() is None, worker_log
     finally:
-        # An idle taskiq-redis worker without a read timeout stops only at its
-        # next message (see docs/deploying.md), so it is killed, with its child.
-        with contextlib.suppress(ProcessLookupError):  # it died on its own
-            os.killpg(worker.pid, signal.SIGKILL)
-        worker.wait(timeout=10)
+        _kill(worker)
         client.delete(_QUEUE)
         client.close()
+
+
+def _stopped_by_one_sigterm(workers: dict[Path, subprocess.Popen[bytes]]) -> dict[Path, bool]:
+    """Send what ``kill``, Docker and Kubernetes send, once, to each main process."""
+    for worker in workers.values():
+        worker.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + _WORKER_STOP
+    return {path: _exits_cleanly(worker, deadline) for path, worker in workers.items()}
+
+
+def _exits_cleanly(worker: subprocess.Popen[bytes], deadline: float) -> bool:
+    try:
+        return worker.wait(timeout=max(0.0, deadline - time.monotonic())) == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def _kill(worker: subprocess.Popen[bytes]) -> None:
+    """End the worker and its child, if a failed test left them running."""
+    with contextlib.suppress(ProcessLookupError):  # it has stopped already
+        os.killpg(worker.pid, signal.SIGKILL)
+    worker.wait(timeout=10)
+
+
+# The example modules that build a real broker for `taskiq worker`, beside the
+# Getting started pair above; each is started as `taskiq worker module:broker`.
+@dataclass(frozen=True, eq=False)  # each is itself (a key of Workers)
+class WorkerApp:
+    """An example module run as a worker, and the task the test sends it."""
+
+    path: Path
+    task: str
+    kwargs: dict[str, Any]
+    queue: str
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def module(self) -> str:
+        return self.path.stem
+
+
+WORKER_APPS = (
+    WorkerApp(
+        DOCS / "examples" / "scheduler" / "reports.py",
+        "build_sales_report",
+        {},
+        queue="reports",
+    ),
+    WorkerApp(
+        DOCS / "examples" / "testing" / "invoices.py",
+        "send_invoice",
+        {"invoice_id": 1},
+        queue="invoices",
+        env={"BROKER": "redis"},
+    ),
+    WorkerApp(DOCS / "examples" / "testing" / "shop.py", "ship_order", {"order_id": 1}, "shop"),
+)
+# The modules that wake their idle worker up, so that one SIGTERM stops it (as
+# docs/deploying.md shows): the ones a reader runs with `taskiq worker`.
+WAKING_APPS = (WORKER_APP / "tasks.py", DOCS / "examples" / "scheduler" / "reports.py")
+# Sends one task from the application's own module, and prints its task_id.
+_KICK = """
+import asyncio, importlib, json, sys
+app = importlib.import_module(sys.argv[1])
+async def kick():
+    await app.broker.startup()
+    task = await getattr(app, sys.argv[2]).kiq(**json.loads(sys.argv[3]))
+    await app.broker.shutdown()
+    print(task.task_id)
+asyncio.run(kick())
+"""
+_REAL_BROKERS = re.compile(
+    r"\b(ListQueueBroker|RedisStreamBroker|AioPikaBroker|\w*Nats\w*Broker)\("
+)
+
+
+def test_every_example_with_a_real_broker_runs_as_a_worker() -> None:
+    builders = {path for path in EVERY_EXAMPLE if _REAL_BROKERS.search(path.read_text("utf-8"))}
+    # A script that runs its own receiver is run by test_example_runs.
+    scripts = {path for path in builders if "run_receiver_task" in path.read_text("utf-8")}
+    covered = {WORKER_APP / "tasks.py", *(app.path for app in WORKER_APPS)}
+    assert builders - scripts == covered
+
+
+def test_every_list_queue_broker_of_the_examples_has_no_read_timeout() -> None:
+    for path in EVERY_EXAMPLE:
+        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "ListQueueBroker":
+                keywords = {k.arg: k.value for k in node.keywords}
+                timeout = keywords.get("socket_timeout")
+                assert isinstance(timeout, ast.Constant), f"{path.name}: no socket_timeout=None"
+                assert timeout.value is None, f"{path.name}: socket_timeout={timeout.value!r}"
+
+
+Workers = dict[WorkerApp, tuple["subprocess.Popen[bytes]", Path]]
+
+
+@dataclass
+class ExampleWorkers:
+    """The running workers of the selected example modules, and how their idle twins stopped."""
+
+    running: Workers
+    #: For each module of WAKING_APPS, whether one SIGTERM stopped its idle worker.
+    stopped_idle: dict[Path, bool]
+
+
+def _start_worker(path: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "taskiq", "worker", f"{path.stem}:broker", "--workers", "1"],
+            cwd=path.parent,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+@pytest.fixture(scope="module")
+def example_workers(
+    request: pytest.FixtureRequest, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ExampleWorkers]:
+    """Start a worker for each example module, and let them all idle together.
+
+    The idle workers of WAKING_APPS are signalled at the end of the idle time,
+    before any task is sent, so that they take none of the tests' messages.
+    """
+    wanted = {
+        params["app"]
+        for item in request.session.items
+        if "app" in (params := getattr(getattr(item, "callspec", None), "params", {}))
+    }
+    client = redis.Redis.from_url(redis_url)
+    logs = tmp_path_factory.mktemp("workers")
+    running: Workers = {}
+    idle: dict[Path, subprocess.Popen[bytes]] = {}
+    try:
+        for app in WORKER_APPS:
+            if app in wanted:
+                client.delete(app.queue)  # a message an aborted run left would be run first
+                log = logs / f"{app.module}.log"
+                running[app] = (_start_worker(app.path, {**_env(redis_url), **app.env}, log), log)
+        for path in WAKING_APPS if wanted & set(WAKING_APPS) else ():
+            idle[path] = _start_worker(path, _env(redis_url), logs / f"{path.stem}.idle.log")
+        for log in [*(log for _, log in running.values()), *logs.glob("*.idle.log")]:
+            _wait_for_text(log, "Listening started.", _WORKER_START)
+        time.sleep(_IDLE)
+        stopped = _stopped_by_one_sigterm(idle)
+        for worker in idle.values():
+            _kill(worker)
+        yield ExampleWorkers(running, stopped)
+    finally:
+        for worker in [*idle.values(), *(worker for worker, _ in running.values())]:
+            _kill(worker)
+        for app in running:
+            client.delete(app.queue)
+        client.close()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("app", WAKING_APPS, ids=[path.stem for path in WAKING_APPS])
+def test_an_idle_worker_stops_at_one_sigterm(app: Path, example_workers: ExampleWorkers) -> None:
+    # taskiq's handler only sets an event; the example's waker lets the loop see it.
+    assert example_workers.stopped_idle[app], f"the idle worker of {app.name} outlived SIGTERM"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("app", WORKER_APPS, ids=[app.module for app in WORKER_APPS])
+def test_an_example_module_runs_as_a_taskiq_worker(
+    app: WorkerApp, example_workers: ExampleWorkers, redis_url: str
+) -> None:
+    worker, log = example_workers.running[app]
+    kick = subprocess.run(
+        [sys.executable, "-c", _KICK, app.module, app.task, json.dumps(app.kwargs)],
+        cwd=app.path.parent,
+        env={**_env(redis_url), **app.env},
+        capture_output=True,
+        text=True,
+        timeout=_TIMEOUT,
+        check=False,
+    )
+    assert kick.returncode == 0, kick.stderr
+    _wait_for_text(
+        log, f"Executing task {app.module}:{app.task} with ID: {kick.stdout.strip()}", 10
+    )
+    worker_log = log.read_text("utf-8", errors="replace")
+    assert "is dead" not in worker_log, worker_log
+    assert worker_log.count("Listening started.") == 1, worker_log  # never restarted
+    assert "Traceback" not in worker_log, worker_log
+    assert worker.poll() is None, worker_log

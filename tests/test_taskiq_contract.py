@@ -1,8 +1,8 @@
 """Canaries: the taskiq behaviours this library relies on, each pinned by itself.
 
 None of these tests uses the middleware or Redis. Each one checks one fact of
-taskiq that ``middleware.py`` or ``labels.py`` is built on (see DESIGN.md, "What
-taskiq 0.13 really does"), and its failure message says what changed upstream
+taskiq that ``middleware.py`` or ``labels.py`` is built on (see docs/design.md,
+"taskiq facts the locks depend on"), and its failure message says what changed upstream
 and which part of this library depends on it. When one fails after a taskiq
 upgrade, fix the library (or the declared taskiq range) before anything else.
 """
@@ -264,7 +264,7 @@ async def test_retry_middlewares_resend_the_same_task_id_from_inside_on_error(
         "A.post_execute",
     ], (
         f"{retry_class.__name__} no longer sends the retry from inside on_error, or the "
-        f"order of the hooks around it changed (DESIGN.md): {first_run}. The "
+        f"order of the hooks around it changed (docs/design.md): {first_run}. The "
         "middleware's pre_send finds the failing attempt still running and takes its lock "
         "over; its post_execute then leaves the lock to the retry."
     )

@@ -9,8 +9,12 @@ Redis) or unset (the plugin starts an embedded Valkey).
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import shutil
+import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -159,3 +163,40 @@ def test_the_helpers_edges(
     pytester.makepyfile(test_edges=_EDGES)
     result = _run(pytester, "in-process")
     result.assert_outcomes(passed=2)
+
+
+def _distribution(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _imports(path: Path) -> list[str]:
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.append(node.module)
+    return names
+
+
+def test_the_testing_extra_brings_what_the_projects_tests_import() -> None:
+    # docs/testing.md: `pip install 'taskiq-dedup[testing]'`, then these tests run.
+    local = {path.stem for path in PROJECT.glob("*.py")}
+    imported = {
+        name.split(".")[0]
+        for path in [PROJECT / "conftest.py", *PROJECT.glob("test_*.py")]
+        for name in _imports(path)
+    }
+    third_party = imported - local - set(sys.stdlib_module_names) - {"taskiq_deduplication"}
+    provided = metadata.packages_distributions()
+    required = {
+        _distribution(re.split(r"[\s\[<>=!~;]", requirement, maxsplit=1)[0])
+        for requirement in metadata.requires("taskiq-dedup") or []
+        if "extra" not in requirement or re.search(r"""extra\s*==\s*["']testing["']""", requirement)
+    }
+    missing = {
+        module: provided.get(module)
+        for module in third_party
+        if not {_distribution(d) for d in provided.get(module, [])} & required
+    }
+    assert missing == {}

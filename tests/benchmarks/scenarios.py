@@ -11,7 +11,7 @@ Variants:
 - ``dedup``: the same broker with :class:`RedisDeduplicationMiddleware`;
 - ``limit``: the acquire script alone, called as ``script(keys=..., args=...)``
   through a plain ``redis.asyncio`` client: one EVALSHA per call, the floor that
-  DESIGN.md calls the limit of a sequential send.
+  docs/design.md calls the limit of a sequential send.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Security: task arguments never leave the process; passwords, a minimal ACL, TLS.
 
-The minimal ACL for the middleware (see :data:`MINIMAL_ACL`): ``PING`` at
-startup, ``SCRIPT LOAD`` at startup and after a server lost its script cache,
-``EVALSHA`` for every lock operation, and inside the scripts ``GET``, ``SET``,
-``PEXPIRE`` and ``DEL``, on the keys under the middleware's ``key_prefix``.
-``SELECT`` only when the URL names a database other than 0.
+The minimal ACL is the one ``docs/deploying.md`` tells users to create, read
+from the page (see :func:`minimal_acl`): ``PING`` at startup, ``SCRIPT LOAD`` at
+startup and after a server lost its script cache, ``EVALSHA`` for every lock
+operation, and inside the scripts the commands they call, on the locks and the
+keys beside them under the middleware's ``key_prefix``. ``SELECT`` only when
+the URL names a database other than 0.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from typing import Any
 
 import pytest
 import redis.exceptions
-from taskiq import SimpleRetryMiddleware
+from taskiq import SimpleRetryMiddleware, TaskiqDepends
 
-from taskiq_deduplication import DuplicateTaskError
+import taskiq_deduplication
+from taskiq_deduplication import DuplicateTaskError, TaskLock
+from tests._docs import documented_acl
 from tests._server import Server, free_port
 from tests.faults._harness import (
     GRACE_TTL_MS,
@@ -41,23 +44,16 @@ pytestmark = pytest.mark.timeout(30)
 USER = "dedup"
 PASSWORD = "pw-" + uuid.uuid4().hex
 
-#: Every command the middleware sends, or its scripts run.
-MINIMAL_COMMANDS = (
-    "ping",
-    "script|load",
-    "evalsha",
-    "eval",
-    "get",
-    "set",
-    "pexpire",
-    "pttl",
-    "del",
-)
+#: The user of docs/deploying.md ("Access control and TLS").
+DOCUMENTED = documented_acl("deploying.md")
+#: Every command the middleware sends, or its scripts run, as the page lists them.
+MINIMAL_COMMANDS = DOCUMENTED.commands
+_LUA = Path(taskiq_deduplication.__file__).parent / "lua"
 
 
 def minimal_acl(key_prefix: str, commands: tuple[str, ...] = MINIMAL_COMMANDS) -> list[str]:
-    """The ``ACL SETUSER`` rules of a user that can run the middleware and nothing else."""
-    return ["reset", "on", f">{PASSWORD}", f"~{key_prefix}:*", *(f"+{c}" for c in commands)]
+    """The ``ACL SETUSER`` rules of the page's user, for ``key_prefix`` and these tests."""
+    return DOCUMENTED.rules(key_prefix, PASSWORD, commands)
 
 
 def _set_user(server: Server, rules: list[str]) -> None:
@@ -192,6 +188,54 @@ async def test_a_user_with_the_minimal_acl_can_do_everything(
         client.script_flush()
     await _exercise(broker, server)
     assert logs.warnings("Could not") == []
+
+
+async def test_the_documented_user_can_use_every_feature(
+    make_recording_broker: BrokerMaker, server: Server, prefix: str, logs: LogRecords
+) -> None:
+    _set_user(server, minimal_acl(prefix))
+    broker = await make_recording_broker(_acl_url(server.port), hold=True)
+    ran: list[object] = []
+
+    @broker.task(deduplication_key_fields=["user"], deduplication_merge="latest")
+    async def sync_profile(user: int, data: str) -> None:
+        ran.append(data)
+
+    @broker.task(deduplication_key="reindex", deduplication_debounce=0.2)
+    async def reindex(x: int) -> None:
+        ran.append(x)
+
+    @broker.task(deduplication_key="nightly")
+    async def nightly(lock: TaskLock = TaskiqDepends()) -> None:
+        ran.append((lock.fence, await lock.held()))
+
+    await sync_profile.kiq(user=1, data="old")
+    with pytest.raises(DuplicateTaskError) as merged:
+        await sync_profile.kiq(user=1, data="new")
+    assert merged.value.merged
+    await reindex.kiq(1)
+    with pytest.raises(DuplicateTaskError):
+        await reindex.kiq(2)
+    await nightly.kiq()
+    broker.deliver_held()
+    await wait_until(lambda: _async(len(ran) == 3), timeout=5)
+    await broker.wait_all()
+
+    assert sorted(map(str, ran)) == sorted(["new", "2", "(1, True)"])
+    assert logs.warnings("Could not") == []
+    with admin(server.port) as client:  # no lock and no merged arguments are left
+        left = [k for k in client.scan_iter() if k.startswith((f"{prefix}:", f"{prefix}#merge"))]
+        assert left == []
+
+
+def test_the_documented_user_may_run_every_command_the_scripts_call() -> None:
+    called = {
+        command.lower()
+        for script in _LUA.glob("*.lua")
+        for command in re.findall(r"redis\.p?call\(\s*'(\w+)'", script.read_text("utf-8"))
+    }
+    assert called
+    assert called - set(MINIMAL_COMMANDS) == set()
 
 
 @pytest.mark.parametrize("command", ["ping", "script|load"])

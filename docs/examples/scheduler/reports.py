@@ -7,6 +7,7 @@ a worker with ``taskiq worker reports:broker``.
 import asyncio
 import os
 
+from taskiq import TaskiqEvents, TaskiqState
 from taskiq.schedule_sources import LabelScheduleSource
 from taskiq_redis import ListQueueBroker
 
@@ -14,9 +15,21 @@ from taskiq_deduplication import DeduplicationScheduler, RedisDeduplicationMiddl
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://localhost:6379")
 
-broker = ListQueueBroker(REDIS_URL, queue_name="reports").with_middlewares(
+# socket_timeout=None: an idle worker outlives redis-py 8's 5-second read limit.
+broker = ListQueueBroker(REDIS_URL, queue_name="reports", socket_timeout=None).with_middlewares(
     RedisDeduplicationMiddleware(redis_url=REDIS_URL, key_prefix="reports:dedup"),
 )
+
+
+async def wake_every_second() -> None:
+    while True:  # noqa: ASYNC110 (waking the loop up is the point, there is no event)
+        await asyncio.sleep(1)
+
+
+@broker.on_event(TaskiqEvents.WORKER_STARTUP)
+async def stop_at_the_first_signal(state: TaskiqState) -> None:
+    # An idle worker sees SIGTERM only when its event loop wakes up (see Deploying).
+    state.waker = asyncio.create_task(wake_every_second())
 
 
 @broker.task(schedule=[{"interval": 1, "schedule_id": "sales-report"}])

@@ -15,7 +15,10 @@ from taskiq_deduplication import RedisDeduplicationMiddleware
 REDIS_URL = os.environ.get("REDIS_URL", "redis://localhost:6379")
 
 broker: AsyncBroker = (
-    ListQueueBroker(REDIS_URL) if os.environ.get("BROKER") == "redis" else InMemoryBroker()
+    # socket_timeout=None: an idle worker outlives redis-py 8's 5-second read limit.
+    ListQueueBroker(REDIS_URL, queue_name="invoices", socket_timeout=None)
+    if os.environ.get("BROKER") == "redis"
+    else InMemoryBroker()
 )
 broker.add_middlewares(RedisDeduplicationMiddleware(redis_url=REDIS_URL, key_prefix="invoices"))
 

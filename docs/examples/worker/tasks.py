@@ -7,6 +7,7 @@ it tasks with ``python send.py``.
 import asyncio
 import os
 
+from taskiq import TaskiqEvents, TaskiqState
 from taskiq_redis import ListQueueBroker, RedisAsyncResultBackend
 
 from taskiq_deduplication import RedisDeduplicationMiddleware
@@ -34,3 +35,18 @@ async def send_welcome_email(user_id: int) -> str:
 
 
 # --8<-- [end:broker]
+
+
+# --8<-- [start:wake]
+async def wake_every_second() -> None:
+    while True:  # noqa: ASYNC110 (waking the loop up is the point, there is no event)
+        await asyncio.sleep(1)
+
+
+@broker.on_event(TaskiqEvents.WORKER_STARTUP)
+async def stop_at_the_first_signal(state: TaskiqState) -> None:
+    # An idle worker sees SIGTERM only when its event loop wakes up (see Deploying).
+    state.waker = asyncio.create_task(wake_every_second())
+
+
+# --8<-- [end:wake]
