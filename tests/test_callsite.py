@@ -86,7 +86,7 @@ async def test_join_hands_back_the_winner_whose_result_both_callers_get(
         assert (await handle.wait_result(timeout=5)).return_value == "report 42 first"
 
 
-async def test_a_join_is_no_warning_unless_the_arguments_differ(
+async def test_a_join_is_logged_as_a_join_whatever_its_other_arguments(
     make_broker: BrokerFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     broker = await make_broker(broker_class=HoldingBroker)
@@ -94,16 +94,22 @@ async def test_a_join_is_no_warning_unless_the_arguments_differ(
     @broker.task(deduplication_key_fields=["user_id"])
     async def build_report(user_id: int, tag: str = "") -> None: ...
 
-    await build_report.kiq(user_id=1)
+    def said() -> list[tuple[int, str]]:
+        return [(r.levelno, r.getMessage()) for r in caplog.records]
+
+    sent = await build_report.kiq(user_id=1)
     caplog.set_level(logging.DEBUG, logger="taskiq_deduplication")
-    assert (await kiq_or_join(build_report, user_id=1)).joined
-    assert [r.levelno for r in caplog.records if "not sent" in r.getMessage()] == [logging.INFO]
-    caplog.clear()
-    assert (await kiq_or_join(build_report, user_id=1, tag="other")).joined
-    assert [r.levelno for r in caplog.records if "not sent" in r.getMessage()] == [logging.WARNING]
+    for tag in ("", "other"):  # other non-key arguments are the point of key fields
+        caplog.clear()
+        assert (await kiq_or_join(build_report, user_id=1, tag=tag)).joined
+        ((level, text),) = said()
+        assert level == logging.INFO
+        assert f"joined task {sent.task_id}" in text
+        assert "not sent" not in text
+        assert "other" not in text  # the arguments themselves are never logged
     caplog.clear()
     await refusal(lambda: build_report.kiq(user_id=1))  # a plain kiq warns, as before
-    assert [r.levelno for r in caplog.records if "not sent" in r.getMessage()] == [logging.WARNING]
+    assert [(level, "not sent" in text) for level, text in said()] == [(logging.WARNING, True)]
 
 
 async def test_join_of_a_holder_this_library_did_not_write_raises(

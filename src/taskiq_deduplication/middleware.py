@@ -680,26 +680,36 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         else:
             from taskiq_deduplication.calls import joining  # noqa: PLC0415 (a cycle)
 
-            # A caller that joins the holder asked for this: no warning then,
-            # unless its arguments differ from the holder's.
+            # A caller that joins the holder asked for this: a join is its own
+            # outcome, no warning, whatever its other arguments (with key
+            # fields, that they differ is the point).
             marker = joining.get()
-            quiet = holder_id is not None and marker == [] and same is not False
+            joined = holder_id is not None and marker == []
             if marker == []:
                 marker.append(True)
-            if _refusals.HANDLED.get():  # a caller that logs the refusal itself
-                level = logging.DEBUG
+            handled = _refusals.HANDLED.get()  # a caller that logs the refusal itself
+            if joined:
+                logger.log(
+                    logging.DEBUG if handled else logging.INFO,
+                    "Task %s (%s) joined task %s, which holds lock %r%s",
+                    message.task_name,
+                    message.task_id,
+                    holder_id,
+                    key,
+                    " (its own arguments differ)" if same is False else "",
+                )
+                self._outcome(LockEventKind.JOINED, message, key, holder_id)
             else:
-                level = logging.INFO if quiet else logging.WARNING
-            logger.log(
-                level,
-                "Task %s (%s) not sent: a duplicate of task %s, which holds lock %r%s",
-                message.task_name,
-                message.task_id,
-                holder_id,
-                key,
-                " with other arguments" if same is False else "",
-            )
-            self._outcome(LockEventKind.DUPLICATE, message, key, holder_id)
+                logger.log(
+                    logging.DEBUG if handled else logging.WARNING,
+                    "Task %s (%s) not sent: a duplicate of task %s, which holds lock %r%s",
+                    message.task_name,
+                    message.task_id,
+                    holder_id,
+                    key,
+                    " with other arguments" if same is False else "",
+                )
+                self._outcome(LockEventKind.DUPLICATE, message, key, holder_id)
         return DuplicateTaskError(
             message.task_name, key, holder_id, merged=merged, same_arguments=same
         )
