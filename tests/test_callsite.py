@@ -15,6 +15,7 @@ import pytest
 import redis.asyncio
 from redis.exceptions import RedisError
 from taskiq import (
+    BrokerMessage,
     Context,
     InMemoryBroker,
     SimpleRetryMiddleware,
@@ -22,6 +23,7 @@ from taskiq import (
     TaskiqDepends,
     TaskiqMiddleware,
 )
+from taskiq.exceptions import SendTaskError
 from taskiq.kicker import AsyncKicker
 
 from taskiq_deduplication import (
@@ -42,6 +44,7 @@ from tests.conftest import (
     lock_keys,
     lock_value,
     running_beats,
+    wait_until,
 )
 from tests.test_redis_trouble import FAST
 
@@ -86,7 +89,7 @@ async def test_join_hands_back_the_winner_whose_result_both_callers_get(
         assert (await handle.wait_result(timeout=5)).return_value == "report 42 first"
 
 
-async def test_a_join_is_no_warning_unless_the_arguments_differ(
+async def test_a_join_is_logged_as_a_join_whatever_its_other_arguments(
     make_broker: BrokerFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     broker = await make_broker(broker_class=HoldingBroker)
@@ -94,16 +97,22 @@ async def test_a_join_is_no_warning_unless_the_arguments_differ(
     @broker.task(deduplication_key_fields=["user_id"])
     async def build_report(user_id: int, tag: str = "") -> None: ...
 
-    await build_report.kiq(user_id=1)
+    def said() -> list[tuple[int, str]]:
+        return [(r.levelno, r.getMessage()) for r in caplog.records]
+
+    sent = await build_report.kiq(user_id=1)
     caplog.set_level(logging.DEBUG, logger="taskiq_deduplication")
-    assert (await kiq_or_join(build_report, user_id=1)).joined
-    assert [r.levelno for r in caplog.records if "not sent" in r.getMessage()] == [logging.INFO]
-    caplog.clear()
-    assert (await kiq_or_join(build_report, user_id=1, tag="other")).joined
-    assert [r.levelno for r in caplog.records if "not sent" in r.getMessage()] == [logging.WARNING]
+    for tag in ("", "other"):  # other non-key arguments are the point of key fields
+        caplog.clear()
+        assert (await kiq_or_join(build_report, user_id=1, tag=tag)).joined
+        ((level, text),) = said()
+        assert level == logging.INFO
+        assert f"joined task {sent.task_id}" in text
+        assert "not sent" not in text
+        assert "other" not in text  # the arguments themselves are never logged
     caplog.clear()
     await refusal(lambda: build_report.kiq(user_id=1))  # a plain kiq warns, as before
-    assert [r.levelno for r in caplog.records if "not sent" in r.getMessage()] == [logging.WARNING]
+    assert [(level, "not sent" in text) for level, text in said()] == [(logging.WARNING, True)]
 
 
 async def test_join_of_a_holder_this_library_did_not_write_raises(
@@ -723,3 +732,124 @@ async def test_a_merged_run_whose_lock_another_send_holds_runs_as_sent_with_a_wa
     assert ran == [(1, False)]
     assert "runs although task " + "0" * 32 in caplog.text
     assert await redis_client.exists(f"{prefix}#merge:m") == 1
+
+
+class GatedBroker(InMemoryBroker):
+    """A broker whose send waits until the test opens the gate, then fails or goes through."""
+
+    def __init__(self, await_inplace: bool = False) -> None:
+        super().__init__(await_inplace=await_inplace)
+        self.gate = asyncio.Event()
+        self.refuse = True
+        self.queued: list[BrokerMessage] = []
+
+    async def kick(self, message: BrokerMessage) -> None:
+        await self.gate.wait()
+        if self.refuse:
+            msg = "broker connection lost"
+            raise ConnectionError(msg)
+        self.queued.append(message)
+
+
+@pytest.mark.parametrize("accepted", [False, True], ids=["refused", "accepted"])
+async def test_a_call_merges_only_into_a_message_a_broker_accepted(
+    make_broker: BrokerFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+    accepted: bool,
+) -> None:
+    broker = await make_broker(broker_class=GatedBroker)
+    ran: list[str] = []
+
+    @broker.task(deduplication_key_fields=["user"], deduplication_merge="latest")
+    async def sync_profile(user: int, name: str) -> None:
+        ran.append(name)
+
+    first = asyncio.create_task(sync_profile.kiq(user=1, name="old"))
+    await wait_until(lambda: has_lock(redis_client, prefix))
+    # The first send is on its way to the broker: nothing to merge into yet.
+    during = await refusal(lambda: sync_profile.kiq(user=1, name="during"))
+    assert not during.merged
+    assert during.holder_task_id is not None
+    broker.refuse = not accepted
+    broker.gate.set()
+    if accepted:
+        sent = await first
+        caught = await refusal(lambda: sync_profile.kiq(user=1, name="after"))
+        assert caught.merged  # once the broker has the message, calls merge into it
+        assert caught.holder_task_id == sent.task_id == during.holder_task_id
+        (message,) = broker.queued
+        await broker.receiver.callback(message=message.message)
+        assert ran == ["after"]
+    else:
+        with pytest.raises(SendTaskError):
+            await first
+        assert [key async for key in redis_client.scan_iter(match=f"{prefix}[:#]*")] == []
+        # Its lock and its arguments went at once: the next call is sent, not joined.
+        broker.refuse = False
+        handle = await kiq_or_join(sync_profile, user=1, name="retry")
+        assert not handle.joined
+        (message,) = broker.queued
+        await broker.receiver.callback(message=message.message)
+        assert ran == ["retry"]
+
+
+async def has_lock(client: redis.asyncio.Redis, prefix: str) -> bool:
+    return bool(await lock_keys(client, prefix))
+
+
+async def test_tasks_sharing_a_key_never_merge_into_each_other(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+    ran: list[tuple[str, int]] = []
+
+    @broker.task(deduplication_key="nightly", deduplication_merge="latest")
+    async def export(n: int) -> None:
+        ran.append(("export", n))
+
+    @broker.task(deduplication_key="nightly", deduplication_merge="latest")
+    async def purge(n: int) -> None:
+        ran.append(("purge", n))
+
+    sent = await export.kiq(1)
+    caught = await refusal(lambda: purge.kiq(666))
+    assert not caught.merged  # refused as a duplicate: its arguments are not export's
+    assert caught.holder_task_id == sent.task_id
+    assert (await refusal(lambda: export.kiq(2))).merged  # its own task still merges
+    await broker.deliver()
+    assert ran == [("export", 2)]
+    assert [key async for key in redis_client.scan_iter(match=f"{prefix}[:#]*")] == []
+
+
+@pytest.mark.parametrize("retry_class", [SimpleRetryMiddleware, SmartRetryMiddleware])
+async def test_a_call_merges_into_a_queued_retry_under_expired(
+    make_middleware: MiddlewareFactory,
+    make_broker: BrokerFactory,
+    retry_class: type[TaskiqMiddleware],
+) -> None:
+    broker = await make_broker(
+        broker_class=HoldingBroker, middlewares=[retry_middleware(retry_class), make_middleware()]
+    )
+    runs: list[int] = []
+
+    @broker.task(
+        retry_on_error=True,
+        deduplication_key_fields=["user_id"],
+        deduplication_merge="latest",
+        deduplication_until="expired",
+    )
+    async def sync(user_id: int, version: int) -> None:
+        runs.append(version)
+        if len(runs) < 2:
+            msg = "not yet"
+            raise RuntimeError(msg)
+
+    first = await sync.kiq(user_id=1, version=1)
+    await broker.deliver_one()  # fails; its retry keeps the lock and waits in the queue
+    assert len(broker.queued) == 1
+    caught = await refusal(lambda: sync.kiq(user_id=1, version=2))
+    assert caught.holder_task_id == first.task_id
+    assert caught.merged  # as under "finished": a call merges into the queued retry
+    await broker.deliver()
+    assert runs == [1, 2]

@@ -15,6 +15,7 @@ from taskiq_deduplication import (
     LockEvent,
     LockEventKind,
     RedisDeduplicationMiddleware,
+    kiq_or_join,
 )
 from tests._brokers import HoldingBroker
 from tests.conftest import BrokerFactory, MiddlewareFactory, lock_keys
@@ -250,6 +251,7 @@ def test_every_kind_is_its_own_string() -> None:
         "locked",
         "duplicate",
         "merged",
+        "joined",
         "fail_open",
         "off",
         "released",
@@ -290,4 +292,27 @@ async def test_a_merged_call_is_told_as_merged_with_the_queued_holder(
     assert kinds(events) == [LOCKED, LockEventKind.MERGED]
     assert events[1].task_id == "later"
     assert events[1].holder_task_id == sent.task_id
+    await broker.deliver()
+
+
+async def test_a_join_is_told_as_joined_and_a_refusal_as_duplicate(
+    make_middleware: MiddlewareFactory, make_broker: BrokerFactory
+) -> None:
+    middleware = make_middleware()
+    events = record(middleware)
+    broker = await make_broker(middlewares=[middleware], broker_class=HoldingBroker)
+
+    @broker.task(deduplication_key_fields=["user_id"])
+    async def build_report(user_id: int, tag: str) -> None: ...
+
+    sent = await build_report.kiq(user_id=1, tag="a")
+    handle = await kiq_or_join(build_report.kicker().with_task_id("joiner"), user_id=1, tag="b")
+    assert handle.joined
+    with pytest.raises(DuplicateTaskError):
+        await build_report.kicker().with_task_id("refused").kiq(user_id=1, tag="c")
+    assert kinds(events) == [LOCKED, LockEventKind.JOINED, DUPLICATE]
+    assert [(e.task_id, e.holder_task_id) for e in events[1:]] == [
+        ("joiner", sent.task_id),
+        ("refused", sent.task_id),
+    ]
     await broker.deliver()

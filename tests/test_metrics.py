@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio
 
-from taskiq_deduplication import DuplicateTaskError
+from taskiq_deduplication import DuplicateTaskError, kiq_or_join
 from tests._brokers import HoldingBroker
 from tests._server import free_port
 from tests.conftest import BrokerFactory, MiddlewareFactory
@@ -99,12 +99,14 @@ async def test_the_metrics_show_next_to_taskiq_s_own(
     await job.kiq(2)
     with pytest.raises(DuplicateTaskError):
         await job.kiq(1)
+    assert (await kiq_or_join(job, 2)).joined
     await free.kiq()
     await broker.deliver()
     after = await scrape(metrics_url)
 
     assert sends(after, "metrics.job", "locked") == 2
     assert sends(after, "metrics.job", "duplicate") == 1
+    assert sends(after, "metrics.job", "joined") == 1
     assert sends(after, "metrics.free", "off") == 1
     assert lock_events(after, "metrics.job", "released") == 2
     # Each run's lock was kept alive by the heartbeat while it ran, and only then.

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio
-from taskiq import AsyncTaskiqTask, SendTaskError
+from taskiq import AsyncTaskiqTask, BrokerMessage, SendTaskError
 
 from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
 from tests._brokers import HoldingBroker, RefusingBroker
@@ -116,41 +116,57 @@ async def test_same_arguments_to_different_tasks_do_not_collide(make_broker: Bro
     assert len(broker.queued) == 2
 
 
+class PeekingBroker(HoldingBroker):
+    """Holds each message, and tells the lock's TTL while the send is on its way."""
+
+    def __init__(self, await_inplace: bool = False) -> None:
+        super().__init__(await_inplace=await_inplace)
+        self.client: redis.asyncio.Redis | None = None
+        self.ttls_in_flight: list[int] = []
+
+    async def kick(self, message: BrokerMessage) -> None:
+        assert self.client is not None
+        key = message.labels["_deduplication_lock_key"]
+        self.ttls_in_flight.append(await self.client.pttl(key))
+        await super().kick(message)
+
+
+@pytest.mark.parametrize(("ttl", "grace_ms"), [(120, 10_000), (3, 3_000)])
 async def test_lock_gets_the_grace_ttl_then_its_full_ttl(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    make_broker: BrokerFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+    ttl: int,
+    grace_ms: int,
 ) -> None:
-    refusing = await make_broker(broker_class=RefusingBroker, default_ttl=120)
-
-    @refusing.task
-    async def job() -> None: ...
-
-    with pytest.raises(SendTaskError):
-        await job.kiq()
-    (key,) = await lock_keys(redis_client, prefix)
-    # The broker refused the message: the lock keeps only its grace TTL.
-    assert 0 < await redis_client.pttl(key) <= 10_000
-    await redis_client.delete(key)
-
-    holding = await make_broker(broker_class=HoldingBroker, default_ttl=120)
-    sent = holding.register_task(job.original_func, task_name=job.task_name)
-    await sent.kiq()
-    await dedup_middleware(holding).shutdown()  # sends the queued extension
-    (key,) = await lock_keys(redis_client, prefix)
-    assert 110_000 < await redis_client.pttl(key) <= 120_000
-
-
-async def test_ttl_shorter_than_the_grace_ttl_is_used_for_both(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
-) -> None:
-    broker = await make_broker(broker_class=RefusingBroker, default_ttl=3)
+    broker = await make_broker(broker_class=PeekingBroker, default_ttl=ttl)
+    broker.client = redis_client
 
     @broker.task
     async def job() -> None: ...
 
-    with pytest.raises(SendTaskError):
-        await job.kiq()
+    await job.kiq()
+    # While the send is on its way, the lock has the grace TTL (or its own, if shorter).
+    (in_flight,) = broker.ttls_in_flight
+    assert grace_ms - 1_000 < in_flight <= grace_ms
+    await dedup_middleware(broker).shutdown()  # sends the queued extension
     (key,) = await lock_keys(redis_client, prefix)
-    assert 0 < await redis_client.pttl(key) <= 3_000
+    assert ttl * 1000 - 10_000 < await redis_client.pttl(key) <= ttl * 1000
+
+
+async def test_a_send_the_broker_refuses_releases_its_lock(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(broker_class=RefusingBroker, default_ttl=120)
+
+    @broker.task
+    async def job() -> None: ...
+
+    for _ in range(2):  # the second is no duplicate of the first, never queued
+        with pytest.raises(SendTaskError):
+            await job.kiq()
+    await dedup_middleware(broker).shutdown()  # sends the queued releases
+    assert await lock_keys(redis_client, prefix) == []
 
 
 async def test_ttl_label_on_the_decorator_and_on_the_call(

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from taskiq_deduplication import DuplicateTaskError
+from taskiq_deduplication import DuplicateTaskError, kiq_or_join
 from tests._brokers import HoldingBroker
 from tests.conftest import MiddlewareFactory
 
@@ -103,3 +103,20 @@ async def test_without_instrumentation_no_span_is_looked_for(
         assert not middleware._events.active  # no subscriber, no metrics, no span to annotate
     finally:
         await broker.shutdown()
+
+
+@pytest.mark.parametrize("outcome", ["joined", "merged"])
+async def test_a_join_or_a_merge_ends_its_span_too(traced: Traced, outcome: str) -> None:
+    labels = {"deduplication_merge": "latest"} if outcome == "merged" else {}
+
+    @traced.broker.task(task_name="traced.other", deduplication_key_fields=["n"], **labels)
+    async def job(n: int, note: str) -> None: ...
+
+    sent = await job.kiq(n=1, note="a")
+    handle = await kiq_or_join(job, n=1, note="hunter2")
+    assert handle.task_id == sent.task_id
+    assert not get_current_span().is_recording()  # ended, no longer the caller's span
+    _, other = traced.sends()
+    assert other.attributes is not None
+    assert other.attributes["taskiq_deduplication.outcome"] == outcome
+    assert "hunter2" not in repr(other.attributes)

@@ -280,7 +280,24 @@ def _parse_key(value: object) -> str:
         # silently make every call share one lock.
         msg = "None is not a key; leave the label out to fingerprint the call"
         raise ValueError(msg)
+    check_text(value)
     return value
+
+
+def check_text(value: str) -> None:
+    """Check that Redis can take ``value`` as text (UTF-8); raise ``ValueError`` if not.
+
+    A lone surrogate is what ``os.fsdecode`` and ``os.listdir`` give for a file
+    name that is not UTF-8: no Redis client can send it.
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        msg = (
+            f"it is not UTF-8 text: a lone surrogate at position {exc.start} (a file "
+            "name that is not UTF-8 reads so; encode it, e.g. with os.fsencode(name).hex())"
+        )
+        raise ValueError(msg) from None
 
 
 @functools.lru_cache(maxsize=256, typed=True)

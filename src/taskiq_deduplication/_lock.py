@@ -74,6 +74,8 @@ class Acquired:
     """The fence drawn for this send, if it asked for one and took the lock."""
     merged: bool = False
     """Whether the call's arguments replaced those of the queued holder."""
+    pending: bool = False
+    """Whether the holder merges calls but its message is not accepted yet."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +138,10 @@ class LockStore:
         self._held = load_script(client, "held")
         # For exclusive runs.
         self._finish = load_script(client, "finish")
+        # After the broker accepted a merging task's message, or refused a send.
+        self._sent = load_script(client, "sent")
+        self._unsent = load_script(client, "unsent")
+        self._reopen = load_script(client, "reopen")
         self._pipeline = Pipeline(
             client,
             (
@@ -147,6 +153,9 @@ class LockStore:
                 self._claim,
                 self._held,
                 self._finish,
+                self._sent,
+                self._unsent,
+                self._reopen,
             ),
             timeout=call_timeout(client),
             detached_timeout=_DETACHED_TIMEOUT,
@@ -198,6 +207,7 @@ class LockStore:
         merge_key: str | None = None,
         arguments: bytes = b"",
         fence_key: str | None = None,
+        task_name: str = "",
     ) -> Acquired:
         """Take ``lock`` as `acquire` does, for a task that merges calls or takes a fence.
 
@@ -208,6 +218,8 @@ class LockStore:
             merge_key: Where the latest arguments are kept, for a task that merges.
             arguments: The call's serialised arguments, for a task that merges.
             fence_key: The counter to draw a fence from, for a task that takes one.
+            task_name: The task's name, for a task that merges: calls merge only
+                into a message of the same task.
         """
         keys = _keys_of(lock, merge_key, fence_key)
         args: list[str | int] = [
@@ -219,6 +231,7 @@ class LockStore:
             int(fence_key is not None),
             lock.ttl_ms,
             int(bool(replaces)),
+            task_name,
         ]
         try:
             status, value = await self._pipeline.call(self._acquire_with, keys, args)
@@ -228,7 +241,11 @@ class LockStore:
             raise
         if status == 1:
             return Acquired(None, fence=int(value) or None)
-        return Acquired(text(value), merged=status == 2)  # noqa: PLR2004 (the script's reply)
+        return Acquired(
+            text(value),
+            merged=status == 2,  # noqa: PLR2004 (the script's reply)
+            pending=status == 3,  # noqa: PLR2004
+        )
 
     async def claim(  # noqa: PLR0913 (the script's arguments, each named)
         self,
@@ -323,6 +340,35 @@ class LockStore:
         await self._pipeline.send_ahead(
             self._extend, [lock.key], [lock.token, lock.ttl_ms], f"extend lock {lock.key!r}"
         )
+
+    async def accepted_detached(self, lock: Lock, merge_key: str, ttl_ms: int) -> None:
+        """Let calls merge into ``lock``'s message, which a broker accepted; give it ``ttl_ms``.
+
+        As `extend_detached`: owner-checked, on its way when this returns,
+        its reply not awaited. ``ttl_ms`` 0 leaves the lock's TTL as it is.
+        """
+        await self._pipeline.send_ahead(
+            self._sent, [lock.key, merge_key], [lock.token, ttl_ms], f"extend lock {lock.key!r}"
+        )
+
+    async def reopen_merge(
+        self, lock: Lock, merge_key: str, arguments: bytes, task_name: str
+    ) -> bool:
+        """Keep a kept retry's ``arguments`` for later calls to merge into: one round trip.
+
+        Returns whether ``lock`` was still the retry's (else nothing is written).
+        """
+        args = [lock.value, arguments.decode(), task_name]
+        return bool(await self._pipeline.call(self._reopen, [lock.key, merge_key], args))
+
+    def release_unsent(self, lock: Lock, merge_key: str | None) -> None:
+        """Release ``lock`` of a send the broker refused, and its merged arguments, soon.
+
+        Owner-checked, not awaited; queued in order, so a send made after this
+        in the same event loop finds the lock gone.
+        """
+        keys = _keys_of(lock, merge_key, None)
+        self._pipeline.queue(self._unsent, keys, [lock.token], f"release lock {lock.key!r}")
 
     def release_detached(self, lock: Lock) -> None:
         """Release ``lock`` if still owned, soon, without waiting for the reply.

@@ -30,6 +30,7 @@ _SENDS: Final = {
     LockEventKind.LOCKED: "locked",
     LockEventKind.DUPLICATE: "duplicate",
     LockEventKind.MERGED: "merged",
+    LockEventKind.JOINED: "joined",
     LockEventKind.FAIL_OPEN: "fail_open",
     LockEventKind.OFF: "off",
 }

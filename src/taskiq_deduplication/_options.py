@@ -11,7 +11,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import parse_url
 
-from taskiq_deduplication._labels import MAX_TTL
+from taskiq_deduplication._labels import MAX_TTL, check_text
 from taskiq_deduplication._policies import POLICIES, Policy
 from taskiq_deduplication.exceptions import InvalidSettingError
 
@@ -76,6 +76,11 @@ def check_prefix(value: object) -> str:
     if not isinstance(value, str) or not value:
         msg = f"key_prefix must be a non-empty string, not {value!r}"
         raise InvalidSettingError(msg)
+    try:
+        check_text(value)
+    except ValueError as exc:
+        msg = f"key_prefix {value!r} cannot be a Redis key: {exc}"
+        raise InvalidSettingError(msg) from None
     return value
 
 

@@ -74,11 +74,16 @@ class PipelineClosedError(DeduplicationError, RedisError):
     """The lock pipeline was closed (the middleware shut down) before the call ended."""
 
 
+class UnencodableCallError(DeduplicationError, ValueError):
+    """A lock call carries text that the Redis client cannot encode (a lone surrogate)."""
+
+
 @dataclass(eq=False, slots=True)
 class _Call:
     script: AsyncScript
-    keys: Sequence[str]
-    args: Sequence[str | int]
+    keys: Sequence[bytes]
+    args: Sequence[bytes | int]
+    """Encoded when the call is made: text Redis cannot take fails this call alone."""
     future: asyncio.Future[Any] | None
     """Where the reply goes, or ``None`` for a call nobody waits for."""
     deadline: float
@@ -132,6 +137,8 @@ class Pipeline:
         """
         self.scripts = scripts
         self.timeout = timeout
+        encoder = client.get_encoder()
+        self._encoding: tuple[str, str] = (encoder.encoding, encoder.encoding_errors)
         self._detached_timeout = max(detached_timeout, timeout)
         self._transport: _Transport = (
             _ClusterTransport(client) if isinstance(client, RedisCluster) else _Connection(client)
@@ -182,10 +189,11 @@ class Pipeline:
             BacklogFullError: Too many calls wait already.
             redis.exceptions.RedisError: Redis failed otherwise.
         """
+        encoded_keys, encoded_args = self._encode(keys, args)
         loop = asyncio.get_running_loop()
         now = loop.time()
         future: asyncio.Future[Any] = loop.create_future()
-        self._admit(_Call(script, keys, args, future, now + self.timeout), loop)
+        self._admit(_Call(script, encoded_keys, encoded_args, future, now + self.timeout), loop)
         if linger:
             # Only a call that follows another one that could linger closely
             # waits: a lone run's start and end go at once, as every call does.
@@ -212,10 +220,11 @@ class Pipeline:
         """Send several script calls, all in the same batch, and return their replies."""
         if len(self._queue) + len(calls) > MAX_QUEUED:
             raise self._backlog_full()
+        encoded = [(script, *self._encode(keys, args)) for script, keys, args in calls]
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
         futures: list[asyncio.Future[Any]] = []
-        for script, keys, args in calls:
+        for script, keys, args in encoded:
             futures.append(loop.create_future())
             self._admit(_Call(script, keys, args, futures[-1], deadline), loop)
         try:
@@ -238,10 +247,11 @@ class Pipeline:
         self, script: AsyncScript, keys: Sequence[str], args: Sequence[str | int], what: str
     ) -> None:
         """Queue a script call nobody waits for; a failure is logged as ``what``."""
+        encoded = self._encode_detached(keys, args, what)
         loop = asyncio.get_running_loop()
-        if self._admit_detached(what, loop):
+        if encoded is not None and self._admit_detached(what, loop):
             self._queue.append(
-                _Call(script, keys, args, None, loop.time() + self._detached_timeout, what)
+                _Call(script, *encoded, None, loop.time() + self._detached_timeout, what)
             )
             loop.call_soon(self._send_backlog)
 
@@ -252,11 +262,12 @@ class Pipeline:
 
         A failure is logged as ``what``.
         """
+        encoded = self._encode_detached(keys, args, what)
         loop = asyncio.get_running_loop()
-        if not self._admit_detached(what, loop):
+        if encoded is None or not self._admit_detached(what, loop):
             return
         self._queue.append(
-            _Call(script, keys, args, None, loop.time() + self._detached_timeout, what)
+            _Call(script, *encoded, None, loop.time() + self._detached_timeout, what)
         )
         if not self._busy and self._transport.writes_ahead and self._transport.ready:
             # All that is queued: its replies are read in one go with the next batch.
@@ -343,6 +354,44 @@ class Pipeline:
         self._send_backlog()
 
     # Admission and expiry
+
+    def _encode(
+        self, keys: Sequence[str], args: Sequence[str | int]
+    ) -> tuple[tuple[bytes, ...], tuple[bytes | int, ...]]:
+        """A call's keys and arguments as the connection sends them, encoded now.
+
+        Encoded when the call is made, not when its batch is packed: a key that
+        the client cannot encode (a lone surrogate, as ``os.fsdecode`` gives for
+        a file name that is not UTF-8) fails its own call here, and never the
+        batch it would have shared with other calls.
+
+        Raises:
+            UnencodableCallError: A key or argument cannot be encoded.
+        """
+        encoding, errors = self._encoding
+        try:
+            return (
+                tuple(key.encode(encoding, errors) for key in keys),
+                tuple(a.encode(encoding, errors) if isinstance(a, str) else a for a in args),
+            )
+        except UnicodeEncodeError as exc:
+            # The text itself is not logged: an argument may be a task's arguments.
+            msg = (
+                f"a deduplication lock call cannot be sent: a key or an argument is not "
+                f"text that the Redis client can encode as {encoding!r} ({exc.reason} at "
+                f"position {exc.start})"
+            )
+            raise UnencodableCallError(msg) from None
+
+    def _encode_detached(
+        self, keys: Sequence[str], args: Sequence[str | int], what: str
+    ) -> tuple[tuple[bytes, ...], tuple[bytes | int, ...]] | None:
+        """`_encode` for a call nobody waits for: a failure is logged as ``what``."""
+        try:
+            return self._encode(keys, args)
+        except UnencodableCallError as exc:
+            logger.warning("Could not %s: %s", what, exc)
+            return None
 
     def _admit(self, call: _Call, loop: asyncio.AbstractEventLoop) -> None:
         """Queue a call someone waits for, or fail it at once."""
@@ -794,9 +843,10 @@ def _pack(connection: AbstractConnection, commands: list[Command]) -> list[bytes
     """``commands`` in the Redis protocol, in one buffer, as redis-py would put them.
 
     redis-py's ``pack_commands`` asks of every argument what type it is and
-    chunks large values; the arguments of a lock call are only ever ``str``
-    (names, keys, tokens, merged arguments) and ``int`` (TTLs, counts), and
-    one buffer is what the socket takes anyway. ``str`` is encoded as the
+    chunks large values; the arguments of a lock call are only ever ``bytes``
+    (keys, tokens, merged arguments, encoded when the call was made), ``str``
+    (the command and the script's digest) and ``int`` (TTLs, counts), and one
+    buffer is what the socket takes anyway. ``str`` is encoded as the
     connection encodes it.
     """
     encoder = connection.encoder
@@ -806,12 +856,14 @@ def _pack(connection: AbstractConnection, commands: list[Command]) -> list[bytes
     for command in commands:
         append(b"*%d\r\n" % len(command))
         for arg in command:
-            if isinstance(arg, str):
+            if isinstance(arg, bytes):  # a call's keys and arguments, encoded when made
+                data = arg
+            elif isinstance(arg, str):
                 data = arg.encode(encoding, errors)
             elif isinstance(arg, int) and not isinstance(arg, bool):
                 data = b"%d" % arg
             else:  # no lock call has another type
-                msg = f"a lock call's argument must be str or int, not {type(arg).__name__}"
+                msg = f"a lock call's argument must be bytes, str or int, not {type(arg).__name__}"
                 raise TypeError(msg)
             append(b"$%d\r\n%s\r\n" % (len(data), data))
     return [b"".join(parts)]

@@ -28,6 +28,8 @@ OUTCOME: Final = "taskiq_deduplication.outcome"
 HOLDER: Final = "taskiq_deduplication.holder_task_id"
 KEY: Final = "taskiq_deduplication.key"
 DUPLICATE_EVENT: Final = "taskiq_deduplication.duplicate"
+# The outcomes of a send that kiq ends with a DuplicateTaskError (no post_send).
+_REFUSED: Final = frozenset({LockEventKind.DUPLICATE, LockEventKind.JOINED, LockEventKind.MERGED})
 
 
 def is_traced(broker: AsyncBroker | None) -> bool:
@@ -57,8 +59,8 @@ def annotate_send(message: TaskiqMessage, event: LockEvent) -> None:
         if event.key is not None:
             attributes[KEY] = event.key
         span.set_attributes(attributes)
-        if event.kind is LockEventKind.DUPLICATE:
+        if event.kind in _REFUSED:
             span.add_event(DUPLICATE_EVENT, {k: v for k, v in attributes.items() if k != OUTCOME})
-    if event.kind is LockEventKind.DUPLICATE:
+    if event.kind in _REFUSED:
         activation.__exit__(None, None, None)
         detach_context(message, is_publish=True)

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 class LockEventKind(str, enum.Enum):
     """What happened to a task's lock.
 
-    The first five are the outcomes of a send (``kiq``), one per send that the
+    The first six are the outcomes of a send (``kiq``), one per send that the
     middleware sees; the others happen to the lock of a task that runs.
     Each member is also its ``str`` value (``LockEventKind.LOCKED == "locked"``).
     """
@@ -53,6 +53,9 @@ class LockEventKind(str, enum.Enum):
     """The send was not made: with ``deduplication_merge="latest"`` its arguments
     replaced those of the queued task that holds the lock, named by
     ``holder_task_id``; ``kiq`` raises ``DuplicateTaskError`` with ``merged=True``."""
+    JOINED = "joined"
+    """The send was not made: ``kiq_or_join`` found the lock held and hands back
+    a handle of the task that holds it, named by ``holder_task_id``."""
     FAIL_OPEN = "fail_open"
     """Redis failed while taking the lock and ``fail_open`` let the send go out
     without one; ``error`` is what Redis raised."""
@@ -93,7 +96,8 @@ class LockEvent:
         holder_task_id: The ``task_id`` that holds the lock once this happened:
             the task itself after `LockEventKind.LOCKED` and
             `LockEventKind.TAKEN_BACK`, the other task after
-            `LockEventKind.DUPLICATE` and `LockEventKind.LOST` (``None`` if its
+            `LockEventKind.DUPLICATE`, `LockEventKind.MERGED`,
+            `LockEventKind.JOINED` and `LockEventKind.LOST` (``None`` if its
             lock value names no task), ``None`` after the rest.
         error: The Redis error of a `LockEventKind.FAIL_OPEN`, else ``None``.
     """

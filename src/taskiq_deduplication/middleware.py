@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 
     from pydantic import RedisDsn
     from redis.asyncio import Redis
+    from taskiq import BrokerMessage
     from taskiq.abc.broker import AsyncBroker
 
     RedisClient = Redis | RedisCluster
@@ -283,6 +284,8 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 "its own (middlewares with the same redis_url and key_prefix share locks)"
             )
             raise ValueError(msg)
+        if current is None:
+            _watch_kick(broker, self._unsent)
         super().set_broker(broker)
 
     async def startup(self) -> None:
@@ -412,6 +415,57 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             self._sends.pop(next(iter(self._sends), ""), None)
         self._sends[token] = False
 
+    def _unsent(self, message: BrokerMessage, error: Exception) -> None:
+        """Release at once the lock of a send of this process that the broker refused.
+
+        taskiq calls no hook then (``kiq`` raises ``SendTaskError``); the
+        broker's ``kick`` tells us instead. Only a send still between its
+        pre_send and post_send counts (a requeue from inside a run carries
+        its run's lock, not a send's). Owner-checked and queued in order, so
+        the caller's own retry finds the lock free. A send that ends without
+        telling (the process dies, the kiq is cancelled) leaves its lock to
+        the grace TTL.
+        """
+        recorded = read_lock_labels(message.labels, message.task_id)
+        if recorded is None or self._sends.get(recorded.token) is not False:
+            return
+        del self._sends[recorded.token]
+        state = self._states.get()
+        if state is None:
+            return
+        lock = Lock(recorded.key, recorded.token, message.task_id, recorded.ttl * 1000)
+        merged_key = merge_key(self.key_prefix, lock.key) if recorded.merge is not None else None
+        logger.info(
+            "Lock %r of task %s (%s) released: the broker refused the send (%s)",
+            lock.key,
+            message.task_name,
+            message.task_id,
+            type(error).__name__,
+        )
+        state.locks.release_unsent(lock, merged_key)
+
+    async def _reopen_merge(self, message: TaskiqMessage, lock: Lock) -> None:
+        """Let later calls merge into a retry that keeps its lock as it is ("expired").
+
+        Its attempt's run claimed the merged arguments; a call that comes while
+        the retry waits in the queue merges into it, as under the other policies.
+        """
+        merged_key = merge_key(self.key_prefix, lock.key)
+        if merged_key is None:
+            return
+        state = self._states.get() or await self._states.current()
+        arguments = self._serialise_arguments(message)
+        try:
+            await state.locks.reopen_merge(lock, merged_key, arguments, message.task_name)
+        except REDIS_ERRORS as exc:
+            logger.warning(
+                "Retry of task %s (%s) sent without taking merges: %s: %s",
+                message.task_name,
+                message.task_id,
+                type(exc).__name__,
+                exc,
+            )
+
     async def _keep(
         self,
         message: TaskiqMessage,
@@ -419,7 +473,13 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         running: Execution | None,
         send: labels.SendOptions,
     ) -> TaskiqMessage:
-        """Send a retry with the lock of the attempt it continues, as that lock is."""
+        """Send a retry with the lock of the attempt it continues, as that lock is.
+
+        No Redis call, unless the task merges its calls: then one, so that
+        calls merge into the retry while it waits in the queue.
+        """
+        if send.merge is not None:
+            await self._reopen_merge(message, earlier)
         self._kept.set(earlier.value)  # this kiq's post_send leaves its TTL alone
         if running is not None:
             running.resent = Resent.WITH_THE_LOCK
@@ -437,16 +497,26 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         lock commands and never adds a round trip to ``kiq``. It is owner-checked,
         so it cannot revive a lock that a fast worker already released.
         """
-        lock = self._lock_of(message)
-        if lock is None:
+        recorded = read_lock_labels(message.labels, message.task_id)
+        if recorded is None:
             return
-        if self._sends.pop(lock.token, False) or lock.ttl_ms <= GRACE_TTL * 1000:
-            return  # its run ended the lock already, or the grace TTL is its TTL
+        lock = Lock(recorded.key, recorded.token, message.task_id, recorded.ttl * 1000)
+        merges = recorded.merge is not None
+        if self._sends.pop(lock.token, False):
+            return  # its run ended the lock already
+        extends = lock.ttl_ms > GRACE_TTL * 1000  # else the grace TTL is its TTL
         if self._kept.get() == lock.value:  # a retry that left its lock as it was
             self._kept.set(None)
+            extends = False
+        if not (extends or merges):
             return
         state = self._states.get() or await self._states.current()
-        await state.locks.extend_detached(lock)
+        merged_key = merge_key(self.key_prefix, lock.key) if merges else None
+        if merged_key is not None:
+            # Calls merge into its message from now on: a broker accepted it.
+            await state.locks.accepted_detached(lock, merged_key, lock.ttl_ms if extends else 0)
+        else:
+            await state.locks.extend_detached(lock)
 
     # Run
 
@@ -709,6 +779,9 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         holder_id = holder_task_id(holder)
         same = keys.same_arguments(holder, digest, send)
         merged = acquired is not None and acquired.merged
+        # A holder that merges calls says whether a broker has accepted it yet.
+        pending = acquired is not None and acquired.pending
+        state = ", whose send the broker has not accepted yet" if pending else ""
         if merged:
             logger.info(
                 "Task %s (%s) not sent: its arguments replaced those of task %s, "
@@ -722,28 +795,44 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         else:
             from taskiq_deduplication.calls import joining  # noqa: PLC0415 (a cycle)
 
-            # A caller that joins the holder asked for this: no warning then,
-            # unless its arguments differ from the holder's.
+            # A caller that joins the holder asked for this: a join is its own
+            # outcome, no warning, whatever its other arguments (with key
+            # fields, that they differ is the point).
             marker = joining.get()
-            quiet = holder_id is not None and marker == [] and same is not False
+            joined = holder_id is not None and marker == []
             if marker == []:
                 marker.append(True)
-            if _refusals.HANDLED.get():  # a caller that logs the refusal itself
-                level = logging.DEBUG
+            handled = _refusals.HANDLED.get()  # a caller that logs the refusal itself
+            if joined:
+                logger.log(
+                    logging.DEBUG if handled else logging.INFO,
+                    "Task %s (%s) joined task %s%s, which holds lock %r%s",
+                    message.task_name,
+                    message.task_id,
+                    holder_id,
+                    state,
+                    key,
+                    " (its own arguments differ)" if same is False else "",
+                )
+                self._outcome(LockEventKind.JOINED, message, key, holder_id)
             else:
-                level = logging.INFO if quiet else logging.WARNING
-            logger.log(
-                level,
-                "Task %s (%s) not sent: a duplicate of task %s, which holds lock %r%s",
-                message.task_name,
-                message.task_id,
-                holder_id,
-                key,
-                " with other arguments" if same is False else "",
-            )
-            self._outcome(LockEventKind.DUPLICATE, message, key, holder_id)
+                logger.log(
+                    logging.DEBUG if handled else logging.WARNING,
+                    "Task %s (%s) not sent: a duplicate of task %s%s, which holds lock %r%s",
+                    message.task_name,
+                    message.task_id,
+                    holder_id,
+                    state,
+                    key,
+                    " with other arguments" if same is False else "",
+                )
+                self._outcome(LockEventKind.DUPLICATE, message, key, holder_id)
         return DuplicateTaskError(
-            message.task_name, key, holder_id, merged=merged, same_arguments=same
+            message.task_name,
+            key,
+            holder_id,
+            merged=merged,
+            same_arguments=same,
         )
 
     async def _acquire_with(
@@ -777,6 +866,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 fence_key=(
                     fence_key(self.key_prefix) if self._wants_fence(message.task_name) else None
                 ),
+                task_name=message.task_name if merging else "",
             ),
         )
 
@@ -1115,3 +1205,22 @@ def _linger(execution: Execution) -> float:
     yet) nor at its end (stopped first).
     """
     return _RUN_LINGER if len(execution.state.heartbeat) else 0.0
+
+
+def _watch_kick(broker: AsyncBroker, refused: Callable[[BrokerMessage, Exception], None]) -> None:
+    """Tell ``refused`` of every message ``broker.kick`` fails to send, then raise as it did.
+
+    taskiq's ``kiq`` turns that failure into ``SendTaskError`` and calls no
+    middleware hook: this wrapper of the broker's own ``kick`` (on the
+    instance, as taskiq calls it) is the one place that sees it.
+    """
+    kick = broker.kick
+
+    async def watched_kick(message: BrokerMessage) -> None:
+        try:
+            await kick(message)
+        except Exception as exc:
+            refused(message, exc)
+            raise
+
+    broker.kick = watched_kick  # type: ignore[method-assign]

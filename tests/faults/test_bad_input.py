@@ -6,6 +6,7 @@ that "no key was written" looks at this test's own key prefix.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import Any
 
@@ -38,6 +39,7 @@ _OPTION_CASES: list[tuple[str, dict[str, Any]]] = [
     ("key_prefix", {"key_prefix": 1}),
     ("key_prefix", {"key_prefix": None}),
     ("key_prefix", {"key_prefix": b"taskiq"}),
+    ("key_prefix", {"key_prefix": b"app-\xe9".decode("utf-8", "surrogateescape")}),
     ("startup_retries", {"startup_retries": 0}),
     ("startup_retries", {"startup_retries": -1}),
     ("startup_retries", {"startup_retries": 2.0}),
@@ -129,6 +131,8 @@ _LABEL_CASES: list[tuple[str, object]] = [
     ("deduplication_ttl", None),
     ("deduplication_key", ""),
     ("deduplication_key", b""),
+    # What os.listdir gives for a file name that is not UTF-8: no Redis client can send it.
+    ("deduplication_key", "file:" + b"report-\xe9.csv".decode("utf-8", "surrogateescape")),
     ("deduplication_key_fields", "user_id"),
     ("deduplication_key_fields", []),
     ("deduplication_key_fields", ()),
@@ -258,3 +262,40 @@ async def test_arguments_the_fingerprint_cannot_encode_raise_type_error(
     assert "hunter2" not in str(caught.value)  # names the type, not the value
     assert broker.sent == []
     assert await redis_client.keys(f"{prefix}:*") == []
+
+
+#: A name as ``os.listdir`` gives it for a file whose name is not UTF-8.
+_UNDECODABLE = b"report-\xe9.csv".decode("utf-8", "surrogateescape")
+
+
+@pytest.mark.parametrize("fail_open", [False, True])
+@pytest.mark.parametrize("culprit", ["key", "task_id"])
+async def test_a_call_redis_cannot_take_fails_alone_not_the_calls_beside_it(
+    culprit: str,
+    fail_open: bool,
+    make_recording_broker: BrokerMaker,
+    redis_url: str,
+) -> None:
+    broker = await make_recording_broker(redis_url, fail_open=fail_open)
+
+    @broker.task
+    async def other(n: int) -> None: ...
+
+    @broker.task
+    async def process_file(path: str) -> None: ...
+
+    kicker = process_file.kicker()
+    if culprit == "key":  # caught by the label check, before any lock call
+        kicker = kicker.with_labels(deduplication_key=f"file:{_UNDECODABLE}")
+    else:  # no label to check: the lock call itself fails, on its own
+        kicker = kicker.with_task_id(f"id-{_UNDECODABLE}")
+    await other.kiq(-1)  # a connection in place: the next calls share batches
+    calls = [other.kiq(n) for n in range(20)]
+    calls.insert(10, kicker.kiq(_UNDECODABLE))
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    bad = results.pop(10)
+    assert [r for r in results if isinstance(r, BaseException)] == []
+    assert isinstance(bad, ValueError)
+    assert ("deduplication_key" if culprit == "key" else "cannot be sent") in str(bad)
+    assert _UNDECODABLE not in str(bad) or culprit == "key"  # a call's text is not echoed
+    assert [m.task_name for m in broker.sent] == [other.task_name] * 21

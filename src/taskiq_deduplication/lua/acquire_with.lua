@@ -14,14 +14,20 @@
 -- ARGV[7]      TTL of the merge key in milliseconds (the lock's full TTL)
 -- ARGV[8]      "1" when this send is a retry: it runs as soon as it is delivered,
 --              and never merges into another send's arguments
+-- ARGV[9]      the task's name, for a task that merges
 --
--- The merge key is a hash: args (the latest arguments), first and last (the
--- server's time in ms of the first and the latest call; first is 0 for a
--- retry). It exists from the send until a worker claims it at the start.
+-- The merge key is a hash: args (the latest arguments), task (the task's
+-- name), first and last (the server's time in ms of the first and the latest
+-- call; first is 0 for a retry), and pending, present until the broker has
+-- accepted the holder's message (sent.lua removes it). It exists from the send
+-- until a worker claims it at the start. A call merges only into a message of
+-- its own task that a broker has accepted: several tasks may share a key, and
+-- a message the broker refuses never runs.
 --
 -- Returns {1, fence} when the lock is now this send's (fence 0 without one),
--- {2, holder} when the call was merged into the queued holder's arguments, or
--- {0, holder} when another send holds the lock. Run twice for the same send (a
+-- {2, holder} when the call was merged into the queued holder's arguments,
+-- {3, holder} when the holder merges calls but the broker has not accepted its
+-- message yet, or {0, holder} when another send holds the lock. Run twice for the same send (a
 -- batch resent after a dropped connection), it takes the lock both times,
 -- with a new fence the second time.
 local value = ARGV[1] .. ' ' .. ARGV[2]
@@ -33,8 +39,15 @@ local function now_ms()
 end
 if current and current ~= value and current ~= ARGV[4] and current ~= ARGV[4] .. ' +' then
   if merging and ARGV[8] ~= '1' and redis.call('EXISTS', KEYS[2]) == 1 then
-    redis.call('HSET', KEYS[2], 'args', ARGV[5], 'last', now_ms())
-    return {2, current}
+    local holder = redis.call('HMGET', KEYS[2], 'task', 'pending')
+    -- A hash without a task was written by an older version: of this task.
+    if not holder[1] or holder[1] == ARGV[9] then
+      if holder[2] then
+        return {3, current}
+      end
+      redis.call('HSET', KEYS[2], 'args', ARGV[5], 'last', now_ms())
+      return {2, current}
+    end
   end
   return {0, current}
 end
@@ -50,7 +63,8 @@ if merging then
     first = 0
   end
   redis.call('DEL', KEYS[2])
-  redis.call('HSET', KEYS[2], 'args', ARGV[5], 'first', first, 'last', now)
+  redis.call('HSET', KEYS[2], 'args', ARGV[5], 'task', ARGV[9], 'first', first, 'last', now,
+    'pending', 1)
   redis.call('PEXPIRE', KEYS[2], ARGV[7])
 end
 return {1, fence}
