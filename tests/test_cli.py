@@ -22,6 +22,7 @@ from taskiq import InMemoryBroker
 
 from taskiq_deduplication import DuplicateTaskError
 from taskiq_deduplication.cli import main
+from tests._brokers import HoldingBroker
 from tests._cli import dedup, one_line_error, start_dedup
 from tests.conftest import BrokerFactory, lock_keys
 
@@ -209,6 +210,26 @@ async def test_a_lock_taken_again_while_asking_is_not_released(
         f"taskiq dedup: not released {key!r}: another send holds it now, or it expired\n"
     )
     assert await redis_client.get(key) == "newOwnerTok 0123456789abcdef0123456789abcdef"
+
+
+async def test_releasing_a_queued_debounced_lock_takes_its_merged_arguments(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, url: dict[str, str], prefix: str
+) -> None:
+    queue = await make_broker(broker_class=HoldingBroker)
+
+    @queue.task(task_name="cli.debounced", deduplication_key="doc-7", deduplication_debounce=60)
+    async def save(text: str) -> None: ...
+
+    await save.kiq("a")
+    with pytest.raises(DuplicateTaskError):
+        await save.kiq("b")  # merged into the queued task's arguments
+    assert [key async for key in redis_client.scan_iter(match=f"{prefix}#merge:*")] == [
+        f"{prefix}#merge:doc-7"
+    ]
+    released = await dedup("release", "doc-7", "--prefix", prefix, "--yes", **url)
+    assert released.status == 0, released.stderr
+    assert [key async for key in redis_client.scan_iter(match=f"{prefix}[:#]*")] == []
+    queue.queued.clear()  # the test is over: the queued task never runs
 
 
 @pytest.mark.parametrize(
