@@ -26,7 +26,6 @@ from redis.exceptions import NoPermissionError, ResponseError
 
 from taskiq_deduplication._client import DEFAULT_TIMEOUTS, client_from_url
 from taskiq_deduplication._formats import belonging_keys, holder_task_id, lock_name
-from taskiq_deduplication._lock import load_script
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Sequence
@@ -259,6 +258,9 @@ async def release(client: RedisClient, locks: Sequence[HeldLock]) -> list[bool]:
         For each lock, whether it was released (``False``: gone, or taken by
         another send since it was read).
     """
+    # Only here: the lock store (and its pipeline) is not needed to read locks.
+    from taskiq_deduplication._lock import load_script  # noqa: PLC0415
+
     script = load_script(client, "release_with")
     released: list[bool] = []
     for start in range(0, len(locks), _BATCH):
