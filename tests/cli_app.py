@@ -1,8 +1,9 @@
 """A small application for ``taskiq dedup key``: a broker and tasks with deduplication labels.
 
-It reads ``REDIS_URL`` and ``DEDUP_CLI_PREFIX`` when imported, as an app reads
-its settings, so the command and the test that kicks its tasks share one Redis
-and one key prefix. Its tasks wait for ``finish`` so that their locks stay held.
+It reads ``DEDUP_CLI_REDIS_URL`` (or ``REDIS_URL``) and ``DEDUP_CLI_PREFIX`` when
+imported, as an app reads its settings, so the command and the test that kicks
+its tasks share one Redis and one key prefix. Its tasks wait for ``finish`` so
+that their locks stay held.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from taskiq_deduplication import RedisDeduplicationMiddleware
 
 broker = InMemoryBroker().with_middlewares(
     RedisDeduplicationMiddleware(
-        redis_url=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
+        redis_url=os.environ.get("DEDUP_CLI_REDIS_URL")
+        or os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
         key_prefix=os.environ.get("DEDUP_CLI_PREFIX", "cli-app"),
     )
 )

@@ -22,6 +22,7 @@ from taskiq import InMemoryBroker
 
 from taskiq_deduplication import DuplicateTaskError
 from taskiq_deduplication.cli import main
+from tests._brokers import HoldingBroker
 from tests._cli import dedup, one_line_error, start_dedup
 from tests._docs import documented_acl
 from tests.conftest import BrokerFactory, lock_keys
@@ -212,6 +213,26 @@ async def test_a_lock_taken_again_while_asking_is_not_released(
     assert await redis_client.get(key) == "newOwnerTok 0123456789abcdef0123456789abcdef"
 
 
+async def test_releasing_a_queued_debounced_lock_takes_its_merged_arguments(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, url: dict[str, str], prefix: str
+) -> None:
+    queue = await make_broker(broker_class=HoldingBroker)
+
+    @queue.task(task_name="cli.debounced", deduplication_key="doc-7", deduplication_debounce=60)
+    async def save(text: str) -> None: ...
+
+    await save.kiq("a")
+    with pytest.raises(DuplicateTaskError):
+        await save.kiq("b")  # merged into the queued task's arguments
+    assert [key async for key in redis_client.scan_iter(match=f"{prefix}#merge:*")] == [
+        f"{prefix}#merge:doc-7"
+    ]
+    released = await dedup("release", "doc-7", "--prefix", prefix, "--yes", **url)
+    assert released.status == 0, released.stderr
+    assert [key async for key in redis_client.scan_iter(match=f"{prefix}[:#]*")] == []
+    queue.queued.clear()  # the test is over: the queued task never runs
+
+
 @pytest.mark.parametrize(
     ("args", "error"),
     [
@@ -225,6 +246,11 @@ async def test_a_lock_taken_again_while_asking_is_not_released(
             "--url redis+sentinel://u:***@h:x/svc: bad port in sentinel address 'h:x'",
         ),
         (("show",), "the following arguments are required: KEY"),
+        (
+            ("list", "--app", "tests.cli_app:broker", "--prefix", "p"),
+            "--prefix: not with --app, whose middleware names its key_prefix",
+        ),
+        (("list", "--app", "tests.no_such_app:broker"), "cannot import 'tests.no_such_app:broker'"),
     ],
 )
 def test_usage_errors_are_one_line_with_status_2(
@@ -240,7 +266,9 @@ def test_usage_errors_are_one_line_with_status_2(
 async def test_a_usage_error_from_the_real_command(prefix: str) -> None:
     run = await dedup("list", "--prefix", prefix)
     assert run.status == 2
-    assert one_line_error(run) == "taskiq dedup: error: no Redis URL: pass --url or set REDIS_URL"
+    assert one_line_error(run) == (
+        "taskiq dedup: error: no Redis URL: pass --url or --app, or set REDIS_URL"
+    )
 
 
 def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
@@ -448,6 +476,8 @@ async def test_key_follows_the_labels_of_the_task_and_of_the_call(
         (("tests.cli_app:broker", "nightly", "--args", "{"), "--args: not JSON"),
         (("tests.cli_app:broker", "nightly", "--kwargs", "[]"), "--kwargs: expected a JSON object"),
         (("tests.cli_app:broker", "nightly", "--url", "http://x"), "--url http://x: "),
+        (("--app", "tests.cli_app:broker", "tests.cli_app:broker", "x"), "expected MODULE:BROKER"),
+        (("nightly",), "expected MODULE:BROKER TASK_NAME, or --app MODULE:BROKER TASK_NAME"),
         (
             ("tests.cli_app:broker", "nightly", "--labels", '{"deduplication_ttl": "abc"}'),
             "invalid value 'abc' for label 'deduplication_ttl'",
@@ -470,3 +500,66 @@ async def test_a_key_usage_error_from_the_real_command(
     run = await dedup("key", "tests.cli_app:broker", "nope", **app[1])
     assert run.status == 2
     assert "has no task 'nope'" in one_line_error(run)
+
+
+async def test_a_full_key_as_the_library_prints_it_needs_no_prefix(
+    started_app: tuple[ModuleType, dict[str, str]],
+    redis_client: redis.asyncio.Redis,
+    redis_url: str,
+    prefix: str,
+) -> None:
+    app, _ = started_app
+    sent = await app.nightly.kiq()
+    refused = await _refused_key(app.nightly)  # an app with a key_prefix of its own
+    listed = await dedup("list", "--prefix", prefix, "--json", REDIS_URL=redis_url)
+    assert [lock["key"] for lock in listed.json()] == [refused.key]
+    shown = await dedup("show", refused.key, "--json", REDIS_URL=redis_url)
+    assert shown.status == 0, shown.stderr
+    assert shown.json()["holder_task_id"] == sent.task_id
+    released = await dedup("release", refused.key, "--yes", REDIS_URL=redis_url)
+    assert released.stdout == f"released {refused.key} (held by task {sent.task_id})\n"
+    assert await lock_keys(redis_client, prefix) == []
+    gone = await dedup("show", refused.key, REDIS_URL=redis_url)
+    assert gone.status == 1
+    assert one_line_error(gone) == (
+        f"taskiq dedup: no lock at {refused.key!r} (nor at 'taskiq:deduplication:{refused.key}')"
+    )
+
+
+async def test_a_name_with_a_colon_is_still_a_name_under_the_default_prefix(
+    redis_client: redis.asyncio.Redis, redis_url: str
+) -> None:
+    name = f"user:{uuid.uuid4().hex[:12]}"
+    key = f"taskiq:deduplication:{name}"
+    await redis_client.set(key, "tok 0123456789abcdef0123456789abcdef", px=60_000)
+    try:
+        shown = await dedup("show", name, "--json", REDIS_URL=redis_url)
+        assert shown.status == 0, shown.stderr
+        assert (shown.json()["key"], shown.json()["name"]) == (key, name)
+    finally:
+        await redis_client.delete(key)
+
+
+async def test_every_command_reads_the_url_and_the_prefix_from_the_app(
+    started_app: tuple[ModuleType, dict[str, str]], redis_url: str, prefix: str
+) -> None:
+    app, _ = started_app
+    sent = await app.nightly.kiq()
+    # No REDIS_URL and no --prefix: the app's middleware says both.
+    env = {"DEDUP_CLI_REDIS_URL": redis_url, "DEDUP_CLI_PREFIX": prefix}
+    listed, shown, keyed, keyed_positional = await asyncio.gather(
+        dedup("list", "--app", "tests.cli_app:broker", "--json", **env),
+        dedup("show", "nightly-run", "--app", "tests.cli_app:broker", "--json", **env),
+        dedup("key", "--app", "tests.cli_app:broker", "nightly", "--json", **env),
+        dedup("key", "tests.cli_app:broker", "nightly", "--json", **env),
+    )
+    assert listed.status == 0, listed.stderr
+    assert [lock["key"] for lock in listed.json()] == [f"{prefix}:nightly-run"]
+    assert (shown.status, shown.json()["holder_task_id"]) == (0, sent.task_id)
+    for found in (keyed.json(), keyed_positional.json()):
+        assert (found["key"], found["holder_task_id"]) == (f"{prefix}:nightly-run", sent.task_id)
+    released = await dedup(
+        "release", "nightly-run", "--app", "tests.cli_app:broker", "--yes", **env
+    )
+    assert released.status == 0, released.stderr
+    assert (await app.nightly.kiq()).task_id != sent.task_id  # free again

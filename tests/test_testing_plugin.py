@@ -200,3 +200,121 @@ def test_the_testing_extra_brings_what_the_projects_tests_import() -> None:
         if not {_distribution(d) for d in provided.get(module, [])} & required
     }
     assert missing == {}
+
+
+# An application with a TaskLock task, a task that merges its calls, and a
+# subscriber of its own; its queue keeps what is sent, so a merged call's
+# arguments stay stored as when a test ends before its task ran.
+_APP_WITH_SIDE_KEYS = """
+from taskiq import BrokerMessage, InMemoryBroker, TaskiqDepends
+
+from taskiq_deduplication import RedisDeduplicationMiddleware, TaskLock
+
+
+class KeptQueue(InMemoryBroker):
+    async def kick(self, message: BrokerMessage) -> None:
+        pass  # queued, never run in these tests
+
+
+middleware = RedisDeduplicationMiddleware("redis://127.0.0.1:1/0", default_ttl=600)
+broker = InMemoryBroker(await_inplace=True).with_middlewares(middleware)
+queue = KeptQueue().with_middlewares(RedisDeduplicationMiddleware("redis://127.0.0.1:1/0"))
+events = []
+middleware.subscribe(events.append)
+
+
+@broker.task(task_name="app.fenced", deduplication_key="nightly")
+async def fenced(lock: TaskLock = TaskiqDepends()) -> int:
+    return lock.fence
+
+
+@queue.task(task_name="app.merged", deduplication_key_fields=["user"], deduplication_merge="latest")
+async def merged(user: int, data: str) -> None: ...
+"""
+
+_TESTS_OF_THE_APP = """
+import pytest
+import pytest_asyncio
+import redis
+
+from app import broker, events, fenced, merged, queue
+from taskiq_deduplication import DuplicateTaskError
+
+pytestmark = pytest.mark.asyncio
+
+
+@pytest_asyncio.fixture
+async def started(dedup):
+    dedup.install(broker)
+    dedup.install(queue)
+    await broker.startup()
+    await queue.startup()
+    print("PREFIX", dedup.key_prefix)
+    yield dedup
+    await broker.shutdown()
+    await queue.shutdown()
+
+
+async def test_a_fenced_task_and_a_merged_call(started) -> None:
+    assert await (await fenced.kiq()).wait_result() is not None
+    await merged.kiq(user=1, data="a")
+    with pytest.raises(DuplicateTaskError) as caught:
+        await merged.kiq(user=1, data="b")
+    assert caught.value.merged
+    assert set(await started.locks()) == {started.key(merged, user=1, data="a")}
+
+
+async def test_release_all_takes_the_merged_arguments_with_the_locks(started) -> None:
+    await merged.kiq(user=2, data="a")
+    assert await started.release_all() == 1
+    assert await started.locks() == {}
+    with redis.Redis.from_url(started.redis_url) as client:
+        assert list(client.scan_iter(match=started.key_prefix + "#merge:*")) == []
+
+
+async def test_the_apps_subscriber_hears_the_tests_middleware(started) -> None:
+    events.clear()
+    await fenced.kiq()
+    assert [event.kind.value for event in events] == ["locked", "released"]
+"""
+
+
+def _keys_of(redis_url: str, prefix: str) -> list[str]:
+    with redis.Redis.from_url(redis_url, decode_responses=True) as client:
+        return sorted(client.scan_iter(match=f"{prefix}[:#]*"))
+
+
+def _run_app_tests(pytester: pytest.Pytester, *names: str) -> pytest.RunResult:
+    shutil.copy(PROJECT / "conftest.py", pytester.path / "conftest.py")
+    pytester.makepyfile(app=_APP_WITH_SIDE_KEYS, test_app=_TESTS_OF_THE_APP)
+    return _run_selected(pytester, *names)
+
+
+def _run_selected(pytester: pytest.Pytester, *names: str) -> pytest.RunResult:
+    options = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-s", "-q", *_QUIET)
+    return pytester.runpytest_inprocess(*options, *(f"test_app.py::{name}" for name in names))
+
+
+def test_a_test_leaves_no_key_behind(
+    pytester: pytest.Pytester, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    result = _run_app_tests(
+        pytester,
+        "test_a_fenced_task_and_a_merged_call",
+        "test_release_all_takes_the_merged_arguments_with_the_locks",
+    )
+    prefixes = re.findall(r"PREFIX (\S+)", result.stdout.str())
+    assert len(prefixes) == 2
+    # Each test wrote a lock and merged arguments, the first a fence counter too.
+    for prefix in prefixes:
+        assert _keys_of(redis_url, prefix) == []
+    result.assert_outcomes(passed=2)
+
+
+def test_the_apps_subscribers_hear_the_tests_middleware(
+    pytester: pytest.Pytester, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    result = _run_app_tests(pytester, "test_the_apps_subscriber_hears_the_tests_middleware")
+    result.assert_outcomes(passed=1)

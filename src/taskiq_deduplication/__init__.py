@@ -5,12 +5,23 @@ on the broker; a ``kiq()`` whose task is already queued or running raises
 [DuplicateTaskError][taskiq_deduplication.DuplicateTaskError].
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Final
+
 from taskiq_deduplication.__about__ import __version__
-from taskiq_deduplication.calls import JoinedTask, TaskLock, kiq_or_join
-from taskiq_deduplication.events import LockEvent, LockEventKind
-from taskiq_deduplication.exceptions import DeduplicationError, DuplicateTaskError, NoLockError
-from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
-from taskiq_deduplication.scheduler import DeduplicationScheduler
+
+if TYPE_CHECKING:
+    from taskiq_deduplication.calls import JoinedTask, TaskLock, kiq_or_join
+    from taskiq_deduplication.events import LockEvent, LockEventKind
+    from taskiq_deduplication.exceptions import (
+        DeduplicationError,
+        DuplicateTaskError,
+        NoLockError,
+    )
+    from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
+    from taskiq_deduplication.scheduler import DeduplicationScheduler
 
 __all__ = [
     "DeduplicationError",
@@ -25,3 +36,35 @@ __all__ = [
     "__version__",
     "kiq_or_join",
 ]
+
+# Where each public name lives. They are imported when first used: every
+# `taskiq` command loads `taskiq dedup` (an entry point), and its start should
+# not pay for the middleware and the Redis client when it needs neither.
+_MODULES: Final = {
+    "DeduplicationError": "exceptions",
+    "DeduplicationScheduler": "scheduler",
+    "DuplicateTaskError": "exceptions",
+    "JoinedTask": "calls",
+    "LockEvent": "events",
+    "LockEventKind": "events",
+    "NoLockError": "exceptions",
+    "RedisDeduplicationMiddleware": "middleware",
+    "TaskLock": "calls",
+    "kiq_or_join": "calls",
+}
+
+
+def __getattr__(name: str) -> object:
+    """Import the public name ``name`` from its module on first use."""
+    module = _MODULES.get(name)
+    if module is None:
+        msg = f"module {__name__!r} has no attribute {name!r}"
+        raise AttributeError(msg)
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """The public names, as if they were imported already."""
+    return sorted({*globals(), *__all__})

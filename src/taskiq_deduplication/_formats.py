@@ -27,6 +27,10 @@ task from its own queued lock. ``" +"`` follows once such a copy waits; a run
 that succeeded leaves ``"=<...> <task_id>"`` for as long as its success is
 remembered (or briefly, for the copies that waited).
 
+Every key beside the locks lives under ``<key_prefix>#``: the two namespaces
+hold every key the library writes (`namespace_patterns`); the merged arguments
+belong to their lock and go when it is released (`belonging_keys`).
+
 The middleware, the heartbeat, the CLI and the test helpers all read and write
 these formats through this module.
 """
@@ -70,6 +74,9 @@ LOCK_LABELS: Final = (
 )
 #: Between the key prefix and the name of a key beside the locks (merge, fence).
 SIDE_SEPARATOR: Final = "#"
+# The kinds of key beside a lock that belong to it: released with it.
+_MERGE: Final = "merge"
+_BELONGING: Final = (_MERGE,)
 # Between the random part of an owner token and the digest of its call's arguments.
 _DIGEST_MARK: Final = "."
 # The first character of a run token (a run goes on) and of a succeeded run's
@@ -92,7 +99,49 @@ def key_pattern(prefix: str, match: str = "*") -> str:
     The prefix is matched literally (its glob characters escaped); ``match`` is
     a glob over the name.
     """
-    return re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + KEY_SEPARATOR + match
+    return _literal(prefix) + KEY_SEPARATOR + match
+
+
+def namespace_patterns(prefix: str) -> tuple[str, ...]:
+    """``SCAN MATCH`` patterns that together match every key the library writes under ``prefix``.
+
+    The locks (``<prefix>:*``) and every key beside them (``<prefix>#*``: merged
+    arguments, the fence counter, and any kind added later), so that a cleanup
+    that deletes what they match leaves nothing of the prefix behind.
+    """
+    return (key_pattern(prefix), _literal(prefix) + SIDE_SEPARATOR + "*")
+
+
+def belonging_patterns(prefix: str) -> tuple[str, ...]:
+    """``SCAN MATCH`` patterns of the locks under ``prefix`` and of the keys that belong to them.
+
+    What releasing every lock under ``prefix`` deletes; the fence counter, which
+    belongs to no lock (fences must only grow), is not matched.
+    """
+    side = _literal(prefix) + SIDE_SEPARATOR
+    return (key_pattern(prefix), *(f"{side}{kind}{KEY_SEPARATOR}*" for kind in _BELONGING))
+
+
+def belonging_keys(lock: str) -> list[str]:
+    """The keys that belong to the lock at key ``lock`` and go when it is released.
+
+    Its merged arguments, ``<prefix>#merge:<name>``. The key alone does not say
+    where its prefix ends (either may hold a ``:``), so this names the merge key
+    of every way to read it as ``<prefix>:<name>``: each is the merge key of
+    this very Redis key under some prefix, so each belongs to this lock.
+    """
+    keys = []
+    start = lock.find(KEY_SEPARATOR, 1)
+    while 0 < start < len(lock) - 1:
+        prefix, name = lock[:start], lock[start + 1 :]
+        keys += [f"{prefix}{SIDE_SEPARATOR}{kind}{KEY_SEPARATOR}{name}" for kind in _BELONGING]
+        start = lock.find(KEY_SEPARATOR, start + 1)
+    return keys
+
+
+def _literal(prefix: str) -> str:
+    """``prefix`` as a glob that matches it literally."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", prefix)
 
 
 def lock_name(prefix: str, key: str) -> str | None:
@@ -104,7 +153,7 @@ def lock_name(prefix: str, key: str) -> str | None:
 def merge_key(prefix: str, lock: str) -> str | None:
     """The key of the merged arguments of lock ``lock``; ``None`` if not under ``prefix``."""
     name = lock_name(prefix, lock)
-    return None if name is None else f"{prefix}{SIDE_SEPARATOR}merge{KEY_SEPARATOR}{name}"
+    return None if name is None else f"{prefix}{SIDE_SEPARATOR}{_MERGE}{KEY_SEPARATOR}{name}"
 
 
 def fence_key(prefix: str) -> str:

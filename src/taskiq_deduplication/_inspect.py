@@ -3,8 +3,9 @@
 What the ``taskiq dedup`` command does in Redis. Locks are found with ``SCAN``
 (never ``KEYS``), on every primary of a cluster, a batch at a time, and each
 batch is read in one pipelined round trip (``GET`` and ``PTTL`` per key). A
-release is owner-checked by the middleware's own script, so it deletes only the
-lock that was shown, never one a new send took meanwhile.
+release is owner-checked, as the middleware's own is, so it deletes only the
+lock that was shown, never one a new send took meanwhile; what belongs to the
+lock (the arguments merged into its queued task) goes in the same step.
 
 A URL names the topology: ``redis://`` (or ``rediss://``, ``unix://``) for one
 server, found to be a cluster node if it answers ``CLUSTER SLOTS``, and
@@ -20,11 +21,11 @@ from urllib.parse import unquote, urlsplit
 
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.sentinel import Sentinel
+from redis.crc import key_slot
 from redis.exceptions import NoPermissionError, ResponseError
 
 from taskiq_deduplication._client import DEFAULT_TIMEOUTS, client_from_url
-from taskiq_deduplication._formats import holder_task_id, lock_name
-from taskiq_deduplication._lock import load_script
+from taskiq_deduplication._formats import belonging_keys, holder_task_id, lock_name
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Sequence
@@ -42,6 +43,8 @@ SCAN_COUNT: Final = 1000
 # Keys whose locks are read (and released) in one pipelined round trip.
 _BATCH: Final = 1000
 _TIMEOUT: Final = DEFAULT_TIMEOUTS["socket_timeout"]
+# What PTTL answers for a key that does not exist.
+_NO_SUCH_KEY: Final = -2
 _CLIENT_TIMEOUTS: Final = {
     name: seconds for name, seconds in DEFAULT_TIMEOUTS.items() if name != "timeout"
 }
@@ -244,21 +247,71 @@ def _held(key: str, value: str, ttl: int | None, prefix: str) -> HeldLock:
 async def release(client: RedisClient, locks: Sequence[HeldLock]) -> list[bool]:
     """Release each of ``locks`` if the send that held it when it was read still does.
 
+    What belongs to a lock (its merged arguments) is deleted with it, in the
+    same owner-checked step. Those keys are found first, one round trip per
+    batch, and only those found are named to the script: a key that a Redis
+    user may not touch would fail the whole script. Nothing can add one to a
+    lock whose owner is unchanged (a send takes its lock and merge key at once),
+    so what was found is what belongs to the lock when it is released.
+
     Returns:
         For each lock, whether it was released (``False``: gone, or taken by
         another send since it was read).
     """
-    script = load_script(client, "release")
+    # Only here: the lock store (and its pipeline) is not needed to read locks.
+    from taskiq_deduplication._lock import load_script  # noqa: PLC0415
+
+    script = load_script(client, "release_with")
     released: list[bool] = []
     for start in range(0, len(locks), _BATCH):
         batch = locks[start : start + _BATCH]
+        belonging = await _belonging(client, batch)
         # One call at a time through the script object keeps its EVALSHA-then-load
         # fallback; gathered, they share the client's connections.
         replies = await asyncio.gather(
-            *(script(keys=[_raw(lock.key)], args=[lock.owner_token or ""]) for lock in batch)
+            *(
+                script(keys=[_raw(lock.key), *keys], args=[lock.owner_token or ""])
+                for lock, keys in zip(batch, belonging, strict=True)
+            )
         )
         released += [int(reply) == 1 for reply in replies]
     return released
+
+
+async def _belonging(client: RedisClient, locks: Sequence[HeldLock]) -> list[list[bytes]]:
+    """For each lock, the keys that belong to it and exist now: one round trip.
+
+    Each is asked with ``PTTL`` (-2: no such key), which the operator's Redis
+    user may run already; one it may not read is left out. On a cluster only
+    those in the lock's slot can exist: a lock and its merge key are taken by
+    one script.
+    """
+    cluster = isinstance(client, RedisCluster)
+    candidates: list[list[bytes]] = []
+    for lock in locks:
+        keys = [_raw(key) for key in belonging_keys(lock.key)]
+        if cluster:
+            slot = key_slot(_raw(lock.key))
+            keys = [key for key in keys if key_slot(key) == slot]
+        candidates.append(keys)
+    if not any(candidates):
+        return candidates
+    pipe: Any = client.pipeline(transaction=False)
+    for keys in candidates:
+        for key in keys:
+            pipe.pttl(key)
+    replies = iter(await pipe.execute(raise_on_error=False))
+    found: list[list[bytes]] = []
+    for keys in candidates:
+        ttls = [next(replies) for _ in keys]
+        found.append(
+            [
+                key
+                for key, ttl in zip(keys, ttls, strict=True)
+                if isinstance(ttl, int) and ttl != _NO_SUCH_KEY
+            ]
+        )
+    return found
 
 
 def _text(value: bytes | str) -> str:

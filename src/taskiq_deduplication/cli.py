@@ -3,15 +3,22 @@
 A plugin of taskiq's command line, registered in the ``taskiq_cli`` entry-point
 group as ``taskiq worker`` and ``taskiq scheduler`` are::
 
-    taskiq dedup list [--url URL] [--prefix P] [--match GLOB] [--json]
-    taskiq dedup show KEY [--url URL] [--prefix P] [--json]
-    taskiq dedup release [KEY ...] [--match GLOB] [--yes] [--url URL] [--prefix P] [--json]
+    taskiq dedup list [--app MODULE:BROKER | --prefix P] [--url URL] [--match GLOB] [--json]
+    taskiq dedup show KEY [--app MODULE:BROKER | --prefix P] [--url URL] [--json]
+    taskiq dedup release [KEY ...] [--match GLOB] [--yes] [--app ... | --prefix P] [--url URL]
     taskiq dedup key MODULE:BROKER TASK_NAME [--args JSON] [--kwargs JSON] [--labels JSON]
+    taskiq dedup key --app MODULE:BROKER TASK_NAME [...]
 
-``--url`` falls back to ``REDIS_URL``. Exit codes: 0 done, 1 not found (no such
-lock, or nothing released), 2 bad usage (options, JSON, an app or task that is
-not there), 3 Redis failed (unreachable, or the user may not run a command).
-Ctrl-C exits with 130. Every error is one line on stderr.
+``--app`` imports the application's broker and reads the Redis URL and the key
+prefix from its deduplication middleware. ``--url`` overrides the URL; without
+either, ``REDIS_URL`` names it. A KEY is a full key, as the library prints it
+anywhere, or a lock's name under the prefix. Exit codes: 0 done, 1 not found
+(no such lock, or nothing released), 2 bad usage (options, JSON, an app or task
+that is not there), 3 Redis failed (unreachable, or the user may not run a
+command). Ctrl-C exits with 130. Every error is one line on stderr.
+
+What a command needs is imported when it runs: every ``taskiq`` command loads
+this module, and ``--help`` or a usage error needs no Redis client.
 """
 
 from __future__ import annotations
@@ -25,22 +32,16 @@ import json
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from taskiq.abc.broker import AsyncBroker
 from taskiq.abc.cmd import TaskiqCMD
-from taskiq.cli.utils import import_object
-
-from taskiq_deduplication import _inspect as inspect
-from taskiq_deduplication import _options as options
-from taskiq_deduplication._formats import key_pattern, lock_key
-from taskiq_deduplication._lock import REDIS_ERRORS
-from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Sequence
 
-    from taskiq_deduplication._inspect import HeldLock, RedisClient
+    from taskiq_deduplication._inspect import HeldLock, Reading, RedisClient
+    from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
 
 __all__ = ["DedupCMD", "ExitCode", "main"]
 
@@ -112,12 +113,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(asyncio.run(parsed.run(parsed)))
     except _UsageError as exc:
         return _fail(ExitCode.USAGE, str(exc))
-    except REDIS_ERRORS as exc:
-        return _fail(ExitCode.ERROR, f"Redis: {type(exc).__name__}: {_one_line(exc)}")
     except KeyboardInterrupt:
         return _fail(ExitCode.INTERRUPTED, "interrupted")
     except Exception as exc:  # noqa: BLE001 (one line, never a traceback, whatever failed)
-        return _fail(ExitCode.ERROR, f"{type(exc).__name__}: {_one_line(exc)}")
+        from taskiq_deduplication._lock import REDIS_ERRORS  # noqa: PLC0415 (see the docstring)
+
+        said = f"{type(exc).__name__}: {_one_line(exc)}"
+        return _fail(ExitCode.ERROR, f"Redis: {said}" if isinstance(exc, REDIS_ERRORS) else said)
     finally:
         library.removeHandler(handler)
 
@@ -132,16 +134,22 @@ def _parser() -> _Parser:
         ),
     )
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
-    redis = _Parser(add_help=False)
+    app = _Parser(add_help=False)
+    app.add_argument(
+        "--app",
+        metavar="MODULE:BROKER",
+        help="the app's broker, as for taskiq worker: its deduplication middleware "
+        "gives the Redis URL and the key prefix",
+    )
+    redis = _Parser(add_help=False, parents=[app])
     redis.add_argument(
         "--url",
         help="Redis URL (redis://, rediss://, unix:// or redis+sentinel://host:port/service); "
-        "default: $REDIS_URL",
+        "default: the app's, else $REDIS_URL",
     )
     redis.add_argument(
         "--prefix",
-        default=_DEFAULT_PREFIX,
-        help=f"the middleware's key_prefix (default: {_DEFAULT_PREFIX})",
+        help=f"the middleware's key_prefix, without --app (default: {_DEFAULT_PREFIX})",
     )
     output = _Parser(add_help=False)
     output.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -153,30 +161,31 @@ def _parser() -> _Parser:
     listing.set_defaults(run=_list)
 
     show = commands.add_parser("show", parents=[redis, output], help="one lock")
-    show.add_argument("key", metavar="KEY", help="the lock's key, or its name under --prefix")
+    show.add_argument("key", metavar="KEY", help="the lock's full key, or its name")
     show.set_defaults(run=_show)
 
     release = commands.add_parser(
         "release", parents=[redis, output], help="delete locks, asking first unless --yes"
     )
-    release.add_argument(
-        "keys", nargs="*", metavar="KEY", help="lock keys, or names under --prefix"
-    )
+    release.add_argument("keys", nargs="*", metavar="KEY", help="full lock keys, or names")
     release.add_argument("--match", metavar="GLOB", help="every lock whose name matches")
     release.add_argument("-y", "--yes", action="store_true", help="do not ask")
     release.set_defaults(run=_release)
 
     key = commands.add_parser(
         "key",
-        parents=[output],
+        parents=[app, output],
+        usage=f"{_PROG} key [-h] (MODULE:BROKER | --app MODULE:BROKER) TASK_NAME [options]",
         help="the lock a call would take, and who holds it now",
         description="The key the call would take with the broker's deduplication "
         "middleware (its own code computes it), and whether a task holds it now.",
     )
     key.add_argument(
-        "broker", metavar="MODULE:BROKER", help="the app's broker, as for taskiq worker"
+        "call",
+        nargs="+",
+        metavar="[MODULE:BROKER] TASK_NAME",
+        help="the app's broker, as for taskiq worker (unless --app names it), and the task's name",
     )
-    key.add_argument("task_name", metavar="TASK_NAME", help="the task's name")
     key.add_argument("--args", default="[]", metavar="JSON", help="positional arguments")
     key.add_argument("--kwargs", default="{}", metavar="JSON", help="keyword arguments")
     key.add_argument("--labels", default="{}", metavar="JSON", help="labels of the call")
@@ -187,17 +196,47 @@ def _parser() -> _Parser:
     return parser
 
 
+@dataclass(frozen=True)
+class _Locks:
+    """Where the command line's locks are: their key prefix, and the app's middleware."""
+
+    prefix: str
+    given: bool
+    """Whether the prefix was given (``--prefix``, ``--app``) rather than the default."""
+    middleware: RedisDeduplicationMiddleware | None
+
+
+def _locks_of(args: argparse.Namespace) -> _Locks:
+    if args.app is not None:
+        if args.prefix is not None:
+            msg = "--prefix: not with --app, whose middleware names its key_prefix"
+            raise _UsageError(msg)
+        middleware = _app_middleware(args.app)
+        return _Locks(middleware.key_prefix, True, middleware)  # noqa: FBT003
+    if args.prefix is None:
+        return _Locks(_DEFAULT_PREFIX, False, None)  # noqa: FBT003
+    from taskiq_deduplication import _options as options  # noqa: PLC0415 (see the docstring)
+
+    try:
+        return _Locks(options.check_prefix(args.prefix), True, None)  # noqa: FBT003
+    except ValueError as exc:
+        raise _UsageError(f"--prefix: {exc}") from None
+
+
 # The commands
 
 
 async def _list(args: argparse.Namespace) -> int:
-    prefix = _prefix(args)
-    async with _connected(args) as client:
+    from taskiq_deduplication import _inspect as inspect  # noqa: PLC0415 (see the docstring)
+    from taskiq_deduplication._formats import key_pattern  # noqa: PLC0415
+
+    where = _locks_of(args)
+    async with _connected(args, where) as client:
         reading = inspect.Reading()
         locks = [
             lock
             async for batch in inspect.lock_batches(
-                client, key_pattern(prefix, args.match), prefix, reading
+                client, key_pattern(where.prefix, args.match), where.prefix, reading
             )
             for lock in batch
         ]
@@ -206,23 +245,24 @@ async def _list(args: argparse.Namespace) -> int:
         _print_json([lock.as_dict() for lock in locks])
     else:
         _print_table(locks)
-        print(f"{len(locks)} lock{'' if len(locks) == 1 else 's'} under {prefix}:{args.match}")
+        count = len(locks)
+        print(f"{count} lock{'' if count == 1 else 's'} under {where.prefix}:{args.match}")
     _warn_ttl(reading)
     return ExitCode.OK
 
 
 async def _show(args: argparse.Namespace) -> int:
-    prefix = _prefix(args)
-    key = _full_key(prefix, args.key)
-    async with _connected(args) as client:
+    from taskiq_deduplication import _inspect as inspect  # noqa: PLC0415 (see the docstring)
+
+    where = _locks_of(args)
+    async with _connected(args, where) as client:
         reading = inspect.Reading()
-        found = await inspect.read_locks(client, [key], prefix, reading)
+        (lock,), missing = await _find(client, [args.key], where, reading)
     _warn_ttl(reading)
-    if not found:
+    if lock is None:
         if args.json:
             _print_json(None)
-        return _fail(ExitCode.NOT_FOUND, f"no lock at {key!r}")
-    (lock,) = found
+        return _fail(ExitCode.NOT_FOUND, missing[0])
     if args.json:
         _print_json(lock.as_dict())
     else:
@@ -231,11 +271,13 @@ async def _show(args: argparse.Namespace) -> int:
 
 
 async def _release(args: argparse.Namespace) -> int:
-    prefix = _prefix(args)
+    from taskiq_deduplication import _inspect as inspect  # noqa: PLC0415 (see the docstring)
+
+    where = _locks_of(args)
     if not args.keys and args.match is None:
         raise _UsageError("name the locks to release: KEY ... or --match GLOB")
-    async with _connected(args) as client:
-        locks, complete = await _to_release(client, args, prefix)
+    async with _connected(args, where) as client:
+        locks, complete = await _to_release(client, args, where)
         if not locks:
             if args.json:
                 _print_json([])
@@ -261,22 +303,23 @@ async def _release(args: argparse.Namespace) -> int:
 
 
 async def _to_release(
-    client: RedisClient, args: argparse.Namespace, prefix: str
+    client: RedisClient, args: argparse.Namespace, where: _Locks
 ) -> tuple[list[HeldLock], bool]:
     """The locks the command line names, read now, and whether each named key held one."""
-    keys = [_full_key(prefix, key) for key in args.keys]
+    from taskiq_deduplication import _inspect as inspect  # noqa: PLC0415 (see the docstring)
+    from taskiq_deduplication._formats import key_pattern  # noqa: PLC0415
+
     reading = inspect.Reading()
-    found = await inspect.read_locks(client, keys, prefix, reading)
+    named, missing = await _find(client, args.keys, where, reading)
+    found = [lock for lock in named if lock is not None]
     if args.match is not None:
-        pattern = key_pattern(prefix, args.match)
-        async for batch in inspect.lock_batches(client, pattern, prefix, reading):
+        pattern = key_pattern(where.prefix, args.match)
+        async for batch in inspect.lock_batches(client, pattern, where.prefix, reading):
             found += batch
     by_key = {lock.key: lock for lock in found}
-    complete = True
-    for key in keys:
-        if key not in by_key:
-            _say(f"no lock at {key!r}")
-            complete = False
+    for message in missing:
+        _say(message)
+    complete = not missing
     locks = []
     for lock in sorted(by_key.values(), key=lambda lock: lock.key):
         if lock.holder_task_id is None:
@@ -288,13 +331,18 @@ async def _to_release(
 
 
 async def _key(args: argparse.Namespace) -> int:
-    middleware, task_name = _app_middleware(args.broker, args.task_name)
+    from taskiq_deduplication import _inspect as inspect  # noqa: PLC0415 (see the docstring)
+
+    spec, task_name = _app_and_task(args)
+    middleware = _app_middleware(spec)
+    broker = middleware.broker
+    task = broker.find_task(task_name)
+    if task is None:
+        known = ", ".join(sorted(broker.get_all_tasks())) or "none"
+        raise _UsageError(f"broker {spec!r} has no task {task_name!r} (its tasks: {known})")
     call_args = _json_argument("--args", args.args, list)
     call_kwargs = _json_argument("--kwargs", args.kwargs, dict)
     call_labels = _json_argument("--labels", args.labels, dict)
-    broker = middleware.broker
-    task = broker.find_task(task_name)
-    assert task is not None  # noqa: S101 (found by _app_middleware)
     # The message exactly as kiq() builds it (labels turned into strings, models
     # into dicts), with the task's own labels under the call's.
     message = task.kicker().with_labels(**call_labels)._prepare_message(*call_args, **call_kwargs)  # noqa: SLF001 (taskiq's own way to build the message kiq sends)
@@ -315,13 +363,10 @@ async def _key(args: argparse.Namespace) -> int:
         else:
             print(f"task    {task_name}\nkey     none: deduplication is off for this call")
         return ExitCode.NOT_FOUND
-    client, own = await _client_of(middleware, args.url)
-    try:
+    where = _Locks(middleware.key_prefix, True, middleware)  # noqa: FBT003
+    async with _connected(args, where) as client:
         reading = inspect.Reading()
         found = await inspect.read_locks(client, [key], middleware.key_prefix, reading)
-    finally:
-        if own:
-            await client.aclose()
     _warn_ttl(reading)
     lock = found[0] if found else None
     if args.json:
@@ -340,24 +385,90 @@ async def _key(args: argparse.Namespace) -> int:
 # What the commands share
 
 
-def _prefix(args: argparse.Namespace) -> str:
-    try:
-        return options.check_prefix(args.prefix)
-    except ValueError as exc:
-        raise _UsageError(f"--prefix: {exc}") from None
+def _app_and_task(args: argparse.Namespace) -> tuple[str, str]:
+    """The app's broker and the task's name that ``key`` was given."""
+    if args.app is not None and len(args.call) == 1:
+        return args.app, args.call[0]
+    if args.app is None and len(args.call) == 2:  # noqa: PLR2004 (the broker and the task)
+        return args.call[0], args.call[1]
+    msg = "expected MODULE:BROKER TASK_NAME, or --app MODULE:BROKER TASK_NAME"
+    raise _UsageError(msg)
 
 
-def _full_key(prefix: str, key: str) -> str:
-    """A lock key as given, or the key of the lock with that name under ``prefix``."""
-    return key if key.startswith(f"{prefix}:") else lock_key(prefix, key)
+async def _find(
+    client: RedisClient, keys: Sequence[str], where: _Locks, reading: Reading
+) -> tuple[list[HeldLock | None], list[str]]:
+    """The lock each of ``keys`` names (``None`` for none), and what to say of the missing.
+
+    A KEY under the prefix, or without a ``:`` (no lock key lacks one), is a
+    full key or a name under the prefix, as it reads. Without ``--prefix`` or
+    ``--app`` any other KEY may be a full key under another application's
+    prefix (``DuplicateTaskError.key`` from an app with a ``key_prefix`` of its
+    own) or a name that holds a ``:`` under the default prefix: it names
+    whichever holds a lock, the full key first.
+    """
+    from redis.exceptions import NoPermissionError  # noqa: PLC0415 (see the docstring)
+
+    from taskiq_deduplication import _inspect as inspect  # noqa: PLC0415
+    from taskiq_deduplication._formats import lock_key  # noqa: PLC0415
+
+    head = where.prefix + ":"
+    readings: list[list[str]] = []
+    for key in keys:
+        prefixed = key if key.startswith(head) else lock_key(where.prefix, key)
+        either = not where.given and key != prefixed and ":" in key
+        readings.append([key, prefixed] if either else [prefixed])
+    found = {
+        lock.key: lock
+        for lock in await inspect.read_locks(
+            client, [candidates[0] for candidates in readings], where.prefix, reading
+        )
+    }
+    second = [
+        candidates[1]
+        for candidates in readings
+        if len(candidates) > 1 and not _ours(found.get(candidates[0]))
+    ]
+
+    async def read_if_allowed(key: str) -> list[HeldLock]:
+        # A key outside what the Redis user may read holds no lock of theirs.
+        with contextlib.suppress(NoPermissionError):
+            return await inspect.read_locks(client, [key], where.prefix, reading)
+        return []
+
+    for locks in await asyncio.gather(*(read_if_allowed(key) for key in second)):
+        found |= {lock.key: lock for lock in locks}
+    chosen: list[HeldLock | None] = []
+    missing: list[str] = []
+    for candidates in readings:
+        held = [found[key] for key in candidates if key in found]
+        lock = next((lock for lock in held if _ours(lock)), held[0] if held else None)
+        chosen.append(lock)
+        if lock is None:
+            nor = f" (nor at {candidates[1]!r})" if len(candidates) > 1 else ""
+            missing.append(f"no lock at {candidates[0]!r}{nor}")
+    return chosen, missing
+
+
+def _ours(lock: HeldLock | None) -> bool:
+    return lock is not None and lock.holder_task_id is not None
 
 
 @contextlib.asynccontextmanager
-async def _connected(args: argparse.Namespace) -> AsyncIterator[RedisClient]:
-    """The client for ``--url`` (or ``REDIS_URL``), closed at the end."""
-    url = args.url or os.environ.get("REDIS_URL")
+async def _connected(args: argparse.Namespace, where: _Locks) -> AsyncIterator[RedisClient]:
+    """The client for ``--url``, else the app's, else ``REDIS_URL``'s; closed at the end if ours."""
+    from taskiq_deduplication import _inspect as inspect  # noqa: PLC0415 (see the docstring)
+
+    url = args.url
+    if not url and where.middleware is not None:
+        url = where.middleware._url  # noqa: SLF001 (the URL the app's middleware connects to)
+        if url is None:  # built with a client of the app's: use it, as the app does
+            client, _ = where.middleware._new_client()  # noqa: SLF001
+            yield client
+            return
+    url = url or os.environ.get("REDIS_URL")
     if not url:
-        raise _UsageError("no Redis URL: pass --url or set REDIS_URL")
+        raise _UsageError("no Redis URL: pass --url or --app, or set REDIS_URL")
     try:
         client = await inspect.connect(url)
     except ValueError as exc:
@@ -368,20 +479,13 @@ async def _connected(args: argparse.Namespace) -> AsyncIterator[RedisClient]:
         await client.aclose()
 
 
-async def _client_of(
-    middleware: RedisDeduplicationMiddleware, url: str | None
-) -> tuple[RedisClient, bool]:
-    """The client for ``url``, else the middleware's own; and whether to close it after."""
-    if not url:
-        return middleware._new_client()  # noqa: SLF001 (the connection the middleware itself uses)
-    try:
-        return await inspect.connect(url), True
-    except ValueError as exc:
-        raise _UsageError(f"--url {inspect.redacted(url)}: {exc}") from None
+def _app_middleware(spec: str) -> RedisDeduplicationMiddleware:
+    """The deduplication middleware of the broker ``spec`` (``module:variable``)."""
+    from taskiq.abc.broker import AsyncBroker  # noqa: PLC0415 (see the docstring)
+    from taskiq.cli.utils import import_object  # noqa: PLC0415
 
+    from taskiq_deduplication.middleware import RedisDeduplicationMiddleware  # noqa: PLC0415
 
-def _app_middleware(spec: str, task_name: str) -> tuple[RedisDeduplicationMiddleware, str]:
-    """The deduplication middleware of the broker ``spec``, which must know ``task_name``."""
     try:
         broker = import_object(spec)
     except Exception as exc:  # noqa: BLE001 (an app's import can fail any way; say how, in a line)
@@ -393,10 +497,7 @@ def _app_middleware(spec: str, task_name: str) -> tuple[RedisDeduplicationMiddle
     )
     if middleware is None:
         raise _UsageError(f"broker {spec!r} has no RedisDeduplicationMiddleware")
-    if broker.find_task(task_name) is None:
-        known = ", ".join(sorted(broker.get_all_tasks())) or "none"
-        raise _UsageError(f"broker {spec!r} has no task {task_name!r} (its tasks: {known})")
-    return middleware, task_name
+    return middleware
 
 
 def _json_argument(option: str, text: str, kind: type[list[Any] | dict[str, Any]]) -> Any:  # noqa: ANN401 (a JSON list or object)
@@ -451,7 +552,7 @@ def _print_json(value: object) -> None:
     print(json.dumps(value, indent=2))
 
 
-def _warn_ttl(reading: inspect.Reading) -> None:
+def _warn_ttl(reading: Reading) -> None:
     if reading.ttl_denied:
         _say("time left unknown: the Redis user may not run PTTL (grant it +pttl)")
 

@@ -154,6 +154,11 @@ class EventSink:
 
         return unsubscribe
 
+    @property
+    def subscribers(self) -> tuple[Subscriber, ...]:
+        """Who subscribed, in order."""
+        return self._subscribers
+
     def trace_sends(self, send_span: _SendSpan | None) -> None:
         """Also hand the outcome of each send to ``send_span``, with its message."""
         self._send_span = send_span

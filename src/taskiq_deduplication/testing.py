@@ -19,7 +19,7 @@ Fixtures:
 - ``dedup``: a [Deduplication][taskiq_deduplication.testing.Deduplication]
   helper with a key prefix of the test's own: it builds or installs
   middlewares, tells whether a call is locked and by whom, starts real workers,
-  and deletes every lock under its prefix when the test ends.
+  and deletes every key under its prefix when the test ends.
 - ``dedup_middleware``: ``dedup.middleware()``, a middleware on that Redis and
   prefix with the default options.
 """
@@ -47,7 +47,12 @@ import redis.asyncio
 from taskiq import AsyncBroker
 from taskiq.kicker import AsyncKicker
 
-from taskiq_deduplication._formats import holder_task_id, key_pattern
+from taskiq_deduplication._formats import (
+    belonging_patterns,
+    holder_task_id,
+    key_pattern,
+    namespace_patterns,
+)
 from taskiq_deduplication._keys import call_key
 from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
 
@@ -82,6 +87,7 @@ _COPIED_OPTIONS: Final = (
     "running_ttl",
     "default_until",
     "default_success_ttl",
+    "metrics",
 )
 _WORKER_START_TIMEOUT: Final = 30.0
 _WORKER_STOP_TIMEOUT: Final = 1.0
@@ -218,8 +224,9 @@ class Deduplication:
     Every lock of the test lives under its
     [key_prefix][taskiq_deduplication.testing.Deduplication.key_prefix], which
     no other test uses; when the test ends, the helper stops the workers
-    it started, puts back the middlewares it replaced, and deletes every lock
-    under that prefix.
+    it started, puts back the middlewares it replaced, and deletes every key
+    under that prefix: the locks and the keys beside them (merged arguments,
+    the fence counter).
     """
 
     redis_url: str
@@ -255,8 +262,9 @@ class Deduplication:
 
         The application's broker (a module-level one, say) keeps its tasks and
         its other middlewares; its deduplication middleware is replaced by one
-        with the same options on the tests' Redis and this test's prefix (or
-        added, if the broker has none). Call it before ``broker.startup()``.
+        with the same options and the same event subscribers (``subscribe()``)
+        on the tests' Redis and this test's prefix (or added, if the broker has
+        none). Call it before ``broker.startup()``.
 
         Args:
             broker: The application's broker.
@@ -326,10 +334,19 @@ class Deduplication:
         }
 
     async def release_all(self) -> int:
-        """Delete every lock under this test's prefix; return how many there were."""
+        """Delete every lock under this test's prefix; return how many there were.
+
+        What belongs to a lock goes with it: the arguments merged into a
+        queued task. The fence counter stays, so fences still only grow.
+        """
+        locks = key_pattern(self.key_prefix)
+        released = 0
         async with redis.asyncio.Redis.from_url(self.redis_url) as client:
-            keys = [key async for key in client.scan_iter(match=key_pattern(self.key_prefix))]
-            return int(await client.delete(*keys)) if keys else 0
+            for pattern in belonging_patterns(self.key_prefix):
+                keys = [key async for key in client.scan_iter(match=pattern)]
+                deleted = int(await client.delete(*keys)) if keys else 0
+                released += deleted if pattern == locks else 0
+        return released
 
     # Workers
 
@@ -397,10 +414,13 @@ class Deduplication:
             for broker, middlewares in reversed(self._installed):
                 broker.middlewares[:] = middlewares
             self._installed.clear()
+            # Every key of the prefix: the locks, and the keys beside them (merged
+            # arguments, the fence counter), whatever kinds there are.
             with redis.Redis.from_url(self.redis_url) as client:
-                keys = list(client.scan_iter(match=key_pattern(self.key_prefix)))
-                if keys:
-                    client.delete(*keys)
+                for pattern in namespace_patterns(self.key_prefix):
+                    keys = list(client.scan_iter(match=pattern))
+                    if keys:
+                        client.delete(*keys)
             if self._workdir is not None:
                 shutil.rmtree(self._workdir, ignore_errors=True)
 
@@ -462,24 +482,40 @@ def _install(
     **options: Any,  # noqa: ANN401 (the middleware's options)
 ) -> RedisDeduplicationMiddleware:
     """Replace (or add) the deduplication middleware of ``broker``; keep its options."""
-    position = next(
+    position, original = next(
         (
-            index
+            (index, middleware)
             for index, middleware in enumerate(broker.middlewares)
             if isinstance(middleware, RedisDeduplicationMiddleware)
         ),
-        None,
+        (None, None),
     )
     copied: Mapping[str, Any] = {}
-    if position is not None:
-        original = broker.middlewares[position]
+    if original is not None:
         copied = {name: getattr(original, name) for name in _COPIED_OPTIONS}
     middleware = RedisDeduplicationMiddleware(
         **{**copied, "redis_url": redis_url, "key_prefix": key_prefix, **options}
     )
+    if original is not None:
+        # The application's subscribers (subscribe()) hear the test's middleware.
+        _adopt_subscribers(middleware, original)
     middleware.set_broker(broker)
     if position is None:
         broker.middlewares.append(middleware)
     else:
         broker.middlewares[position] = middleware
     return middleware
+
+
+def _adopt_subscribers(
+    middleware: RedisDeduplicationMiddleware, original: RedisDeduplicationMiddleware
+) -> None:
+    """Subscribe to ``middleware`` whoever subscribed to ``original``, but its own metrics.
+
+    The metrics recorder of a middleware that started already is its own: the
+    new middleware subscribes one of its own when the broker starts.
+    """
+    own = original._metrics.record if original._metrics is not None else None  # noqa: SLF001 (the package's own middleware)
+    for subscriber in original._events.subscribers:  # noqa: SLF001
+        if subscriber != own:
+            middleware.subscribe(subscriber)

@@ -235,3 +235,29 @@ async def test_the_dedup_command_lists_shows_and_releases_on_every_primary(
         assert released.status == 0, released.stderr
         assert len(released.stdout.splitlines()) == 40
         assert await keys_under(client, prefix) == []
+
+
+async def test_the_dedup_command_releases_merged_arguments_in_the_locks_slot(
+    cluster: Cluster, client: RedisCluster
+) -> None:
+    prefix = f"{{cluster-{uuid.uuid4().hex[:8]}}}"  # a hash tag: merging needs one slot
+    middleware = RedisDeduplicationMiddleware(client=client, key_prefix=prefix)
+    broker = HoldingBroker().with_middlewares(middleware)
+    await broker.startup()
+    try:
+
+        @broker.task(
+            task_name="cluster.merged", deduplication_key="doc", deduplication_merge="latest"
+        )
+        async def save(text: str) -> None: ...
+
+        await save.kiq("a")
+        with pytest.raises(DuplicateTaskError):
+            await save.kiq("b")
+        assert await client.exists(f"{prefix}#merge:doc") == 1
+        released = await dedup("release", f"{prefix}:doc", "--url", cluster.url, "--yes")
+        assert released.status == 0, released.stderr
+        assert await client.exists(f"{prefix}:doc", f"{prefix}#merge:doc") == 0
+    finally:
+        broker.queued.clear()
+        await broker.shutdown()
