@@ -488,4 +488,10 @@ def register_callsite_tasks(broker: AsyncBroker, config: Config) -> None:
         deduplication_debounce_max=DEBOUNCE_MAX,
         **retry_labels,
     )(reindex)
-    broker.task("e2e.cs.fenced", deduplication_key_fields=["tag"], **retry_labels)(fenced)
+    # Its runs may overlap: the fence is what tells a run that overlaps another.
+    broker.task(
+        "e2e.cs.fenced",
+        deduplication_key_fields=["tag"],
+        deduplication_exclusive=False,
+        **retry_labels,
+    )(fenced)
