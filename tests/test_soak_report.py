@@ -230,3 +230,27 @@ def test_a_retry_refused_after_its_lock_was_lost_in_a_restart_is_a_documented_wi
     assert result["never_completed"] == {report.LOST_IN_RESTART: 1}
     assert result["breaches"] == []
     assert verdict(kiqs, runs)["never_completed"] == {"retry lost": 1}
+
+
+def test_a_killed_copy_of_a_call_that_completed_is_no_lost_call() -> None:
+    # The copy ran beside the first run (an overlap) and was killed; the first
+    # run's ack ended the message, so no broker delivers it again.
+    kiqs = [kiq("a", "f", 100.0, broker="redis-stream")]
+    runs = [
+        run("a", "f", 100.5, 104.0, broker="redis-stream"),
+        run("a", "f", 103.0, None, broker="redis-stream", pid=101),
+    ]
+    data = {"kiqs": kiqs, "runs": runs, "faults": [], "rss": [], "notes": []}
+    data["procs"] = [
+        {
+            "pid": 101,
+            "role": "w",
+            "broker": "redis-stream",
+            "first_seen": 99.0,
+            "last_seen": 105.0,
+            "fate": "sigkill",
+        }
+    ]
+    result = report.analyse(data, [], OPTIONS)
+    assert result["never_completed"] == {}
+    assert result["overlaps"] == {"redelivered (unexplained)": 1}

@@ -26,12 +26,15 @@ import json
 import os
 import time
 import uuid
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 import redis.asyncio
+import redis.exceptions
 from taskiq import (
+    AckableMessage,
     AsyncBroker,
     AsyncTaskiqDecoratedTask,
     BrokerMessage,
@@ -54,6 +57,7 @@ AT_LEAST_ONCE = frozenset({"redis-stream", "rabbitmq", "nats"})
 MAX_ATTEMPTS = 3
 TASK_NAME = "soak.work"
 CHAIN_NAME = "soak.chain"
+POKE_NAME = "soak.poke"
 #: The stream broker claims a message again once it is idle (unacknowledged) this long.
 IDLE_TIMEOUT_MS = 2000
 #: NATS delivers a message again when it is not acknowledged within this, in seconds.
@@ -226,6 +230,8 @@ class App:
     work: dict[str, AsyncTaskiqDecoratedTask[..., Any]]
     """The ``work`` task of each policy of :data:`POLICIES`."""
     chain: AsyncTaskiqDecoratedTask[..., Any]
+    poke: AsyncTaskiqDecoratedTask[..., Any]
+    """Does nothing, undeduplicated and unrecorded: wakes a stream worker up."""
     ledger: Ledger
 
 
@@ -337,7 +343,14 @@ def build(config: SoakConfig, kind: str, *, client: bool = False) -> App:
         return fp
 
     chained = broker.task(CHAIN_NAME)(chain)
-    return App(kind, broker, tasks, chained, ledger)
+
+    async def poke() -> None:
+        # Nothing: a stream worker claims idle messages (those of a killed
+        # worker) only after a read that found a new one.
+        return None
+
+    poked = broker.task(POKE_NAME, deduplication=False)(poke)
+    return App(kind, broker, tasks, chained, poked, ledger)
 
 
 def _one(conn: psycopg.Connection[Any], sql: str, params: tuple[Any, ...]) -> Any:
@@ -380,6 +393,26 @@ class _AnyLoopListQueueBroker(ListQueueBroker):
             await client.aclose()
 
 
+class _ReconnectingStreamBroker(RedisStreamBroker):
+    """``RedisStreamBroker`` whose listener outlives a lost connection to its Redis.
+
+    taskiq-redis' stream listener lets a ``ConnectionError`` end the worker
+    process, which taskiq does not replace: a cut of the broker's Redis would
+    leave the stream without a consumer, and the messages of killed workers
+    unclaimed. Here the listener reads again after a pause, as a deployment's
+    supervisor would restart it, so that the soak sees the middleware's doing.
+    """
+
+    async def listen(self) -> AsyncGenerator[AckableMessage, None]:
+        """Listen, starting again whenever the connection to Redis is lost."""
+        while True:
+            try:
+                async for message in super().listen():
+                    yield message
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):  # noqa: PERF203 (read again)
+                await asyncio.sleep(0.5)
+
+
 def _make_broker(config: SoakConfig, kind: str) -> AsyncBroker:
     if kind == "redis-list":
         # BRPOP waits without a timeout: the default socket timeout would end
@@ -388,7 +421,7 @@ def _make_broker(config: SoakConfig, kind: str) -> AsyncBroker:
             config.list_redis_url, queue_name=config.queue(kind), socket_timeout=None
         )
     if kind == "redis-stream":
-        return RedisStreamBroker(
+        return _ReconnectingStreamBroker(
             config.stream_redis_url,
             queue_name=config.queue(kind),
             consumer_group_name=config.queue(kind),

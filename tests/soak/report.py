@@ -379,9 +379,13 @@ def never_ran(led: Ledger) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
             )
             continue
         last = runs[-1]
-        if last["outcome"] == "ok" or (
-            last["outcome"] == "failed" and last["attempt"] >= MAX_ATTEMPTS - 1
+        if any(
+            r["outcome"] == "ok" or (r["outcome"] == "failed" and r["attempt"] >= MAX_ATTEMPTS - 1)
+            for r in runs
         ):
+            # Completed. A copy that ran beside the run that completed (an
+            # overlap, counted there) and was killed is not redelivered: the
+            # broker heard of the message's end from the other run.
             continue
         if last["outcome"] is None:
             if last["broker"] != "redis-list" and last["pid"] in led.death:

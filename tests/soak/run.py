@@ -44,7 +44,7 @@ from tests._server import Server
 from tests.e2e.conftest import Process, Processes
 from tests.faults._proxy import Proxy
 from tests.soak import ledger, report
-from tests.soak.app import BROKERS, CONFIG_ENV, MAX_ATTEMPTS, SoakConfig
+from tests.soak.app import BROKERS, CONFIG_ENV, MAX_ATTEMPTS, SoakConfig, build
 
 logger = logging.getLogger(__name__)
 
@@ -294,14 +294,23 @@ class Conductor:
         """
         last_change, previous = time.time(), None
         limit = time.monotonic() + DRAIN_LIMIT
-        while time.monotonic() < limit:
-            state = await asyncio.to_thread(self._ledger_state)
-            pending, _fingerprint = state
-            if state != previous:
-                previous, last_change = state, time.time()
-            if pending == 0 or time.time() - last_change > SETTLED:
-                break
-            await asyncio.sleep(1.0)
+        stream = build(self.config, "redis-stream", client=True)
+        await stream.broker.startup()
+        try:
+            while time.monotonic() < limit:
+                # The messages of a killed stream worker are claimed by the next
+                # read that finds a new message: with no more sends, poke.
+                with contextlib.suppress(Exception):
+                    await stream.poke.kiq()
+                state = await asyncio.to_thread(self._ledger_state)
+                pending, _fingerprint = state
+                if state != previous:
+                    previous, last_change = state, time.time()
+                if pending == 0 or time.time() - last_change > SETTLED:
+                    break
+                await asyncio.sleep(1.0)
+        finally:
+            await stream.broker.shutdown()
         return last_change
 
     def _ledger_state(self) -> tuple[int, tuple[Any, ...]]:
