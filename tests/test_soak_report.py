@@ -92,11 +92,91 @@ def test_two_runs_at_once_after_a_redis_restart_are_a_documented_window() -> Non
     assert result["breaches"] == []
 
 
-def test_a_redelivery_after_a_broker_cut_is_a_documented_window() -> None:
+def test_a_copy_redelivered_after_a_broker_cut_that_runs_beside_the_first_is_a_breach() -> None:
+    # The copy must wait for the run of its lock to end.
     kiqs = [kiq("a", "f", 100.0)]
     runs = [run("a", "f", 100.5, 103.0), run("a", "f", 101.5, 102.5, pid=101)]
     result = verdict(kiqs, runs, [fault("broker-cut", "rabbitmq", 101.0, 101.2)])
     assert result["overlaps"] == {report.CUT_REDELIVERED: 1}
+    assert result["breaches"] == [
+        "overlapping runs of one lock key: 1 x redelivered after a broker connection cut"
+    ]
+
+
+def test_a_copy_that_waits_for_the_first_run_to_end_is_no_overlap() -> None:
+    kiqs = [kiq("a", "f", 100.0, broker="redis-stream")]
+    runs = [
+        run("a", "f", 100.5, 103.0, broker="redis-stream", outcome="failed"),
+        run("a", "f", 103.2, 104.0, broker="redis-stream", pid=101, attempt=1),
+    ]
+    result = verdict(kiqs, runs)
+    assert result["overlaps"] == {}
+    assert result["breaches"] == []
+
+
+def test_a_call_accepted_under_started_that_runs_beside_the_last_is_a_breach() -> None:
+    # "started" lets the call in; its run must still wait for the last one.
+    kiqs = [kiq("a", "q:started:1", 100.0), kiq("b", "q:started:1", 101.0)]
+    runs = [run("a", "q:started:1", 100.5, 103.0), run("b", "q:started:1", 101.5, 102.0, pid=101)]
+    result = verdict(kiqs, runs)
+    assert result["let_through"] == {}, "started lets a send in on purpose"
+    assert result["overlaps"] == {"unexplained": 1}
+    assert result["overlaps_by"] == {"rabbitmq/started/another send": 1}
+    assert result["breaches"] == ["overlapping runs of one lock key: 1 x unexplained"]
+
+
+def test_a_lease_that_lapsed_under_a_worker_cut_off_from_redis_is_counted_apart() -> None:
+    kiqs = [kiq("a", "f", 100.0), kiq("b", "f", 118.0)]
+    runs = [run("a", "f", 100.5, 125.0), run("b", "f", 118.5, 119.0, pid=101)]
+    cut = fault("redis-cut", "locks", 101.0, 117.0)  # longer than the TTL (15 s)
+    result = verdict(kiqs, runs, [cut])
+    assert result["overlaps"] == {report.LEASE_LAPSED: 1}
+    assert result["breaches"] == []
+    text = report.render(result)
+    assert "lease lapses under a cut-off worker (fenced): 1" in text
+    assert "outside the windows (must be 0): 0" in text
+    # A short cut does not lapse a lease: the same overlap is a breach.
+    short = verdict(kiqs, runs, [fault("redis-cut", "locks", 101.0, 103.0)])
+    assert short["overlaps"] == {"unexplained": 1}
+
+
+def test_a_copy_that_runs_again_after_a_remembered_success_is_a_breach() -> None:
+    fp = "rabbitmq:remembered:1"
+    runs = [run("a", fp, 100.5, 101.0), run("a", fp, 102.0, 102.5, pid=101)]
+    result = verdict([kiq("a", fp, 100.0)], runs)
+    assert result["ran_again"] == {report.REMEMBERED_RAN_AGAIN: 1}
+    assert result["breaches"] == [
+        "ran again after a success: 1 x ran again after a success the lock remembered"
+    ]
+    assert "after a success the lock remembered (must be 0): 1" in report.render(result)
+    # Without a success TTL nothing remembers the success: the copy runs.
+    plain = [run("a", "f", 100.5, 101.0), run("a", "f", 102.0, 102.5, pid=101)]
+    result = verdict([kiq("a", "f", 100.0)], plain)
+    assert result["ran_again"] == {report.SUCCESS_FORGOTTEN: 1}
+    assert result["breaches"] == []
+
+
+@pytest.mark.parametrize("broker", ["redis-stream", "nats"])
+def test_an_accepted_send_that_never_ran_on_a_redelivering_broker_is_a_breach(
+    broker: str,
+) -> None:
+    result = verdict([kiq("a", "f", 100.0, broker=broker)], [])
+    assert result["never_ran"] == {report.NEVER_RAN_AT_LEAST_ONCE: 1}
+    assert result["breaches"]
+    assert "on an at-least-once broker (must be 0): 1" in report.render(result)
+
+
+def test_refusals_inside_a_success_ttl_or_a_window_are_not_stale() -> None:
+    remembered, expired = "rabbitmq:remembered:1", "rabbitmq:expired:2"
+    kiqs = [
+        kiq("a", remembered, 100.0),
+        kiq("b", remembered, 104.0, outcome="duplicate", holder="a"),  # within the success TTL
+        kiq("c", expired, 100.0),
+        kiq("d", expired, 103.5, outcome="duplicate", holder="c"),  # within the window
+    ]
+    runs = [run("a", remembered, 100.5, 101.0), run("c", expired, 100.5, 101.0, pid=101)]
+    result = verdict(kiqs, runs)
+    assert result["stale_refusals"] == {}
     assert result["breaches"] == []
 
 
@@ -150,3 +230,27 @@ def test_a_retry_refused_after_its_lock_was_lost_in_a_restart_is_a_documented_wi
     assert result["never_completed"] == {report.LOST_IN_RESTART: 1}
     assert result["breaches"] == []
     assert verdict(kiqs, runs)["never_completed"] == {"retry lost": 1}
+
+
+def test_a_killed_copy_of_a_call_that_completed_is_no_lost_call() -> None:
+    # The copy ran beside the first run (an overlap) and was killed; the first
+    # run's ack ended the message, so no broker delivers it again.
+    kiqs = [kiq("a", "f", 100.0, broker="redis-stream")]
+    runs = [
+        run("a", "f", 100.5, 104.0, broker="redis-stream"),
+        run("a", "f", 103.0, None, broker="redis-stream", pid=101),
+    ]
+    data = {"kiqs": kiqs, "runs": runs, "faults": [], "rss": [], "notes": []}
+    data["procs"] = [
+        {
+            "pid": 101,
+            "role": "w",
+            "broker": "redis-stream",
+            "first_seen": 99.0,
+            "last_seen": 105.0,
+            "fate": "sigkill",
+        }
+    ]
+    result = report.analyse(data, [], OPTIONS)
+    assert result["never_completed"] == {}
+    assert result["overlaps"] == {"redelivered (unexplained)": 1}

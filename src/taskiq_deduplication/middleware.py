@@ -98,6 +98,9 @@ _NOT_BEGUN: Final = (
     "it runs with the arguments it was sent with, not knowing whether another run of its "
     "key goes on"
 )
+#: Seconds a run slot beside the lock ("started", "expired") lives unrefreshed,
+#: unless ``running_ttl`` says: how long a crashed run holds up the next one.
+_SLOT_LEASE: Final = 10
 #: Longest wait, in seconds, between two looks of a run that waits for another
 #: run of its key (a quarter of the heartbeat interval when that is shorter).
 _MAX_POLL: Final = 5.0
@@ -557,7 +560,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             return message
         if self.heartbeat and (execution.run is not None or (policy.heartbeat and execution.owned)):
             lease = execution.run or execution.lease
-            execution.beat = Beat(lease, message.task_name, self._interval(execution))
+            execution.beat = Beat(lease, message.task_name, self._interval(execution, lease))
             state.heartbeat.add(execution.beat)
         return message
 
@@ -918,7 +921,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             if not waited:
                 waited = True
                 self._waits(execution, message, claimed.waiting_for)
-            await asyncio.sleep(min(self._poll(execution), claimed.wait_ms / 1000))
+            await asyncio.sleep(min(self._poll(execution, run), claimed.wait_ms / 1000))
         execution.run = run
         if claimed.fence is not None:
             execution.fence = claimed.fence
@@ -972,11 +975,16 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                     execution.policy.name,
                 )
             return None
-        return Lock(key, token, lease.task_id, lease.ttl_ms)
+        # The slot outlives no crashed run by more than a short lease, which the
+        # heartbeat keeps (without the heartbeat it must last the whole run).
+        ttl_ms = lease.ttl_ms
+        if self.heartbeat:
+            ttl_ms = min(ttl_ms, (self.running_ttl or _SLOT_LEASE) * 1000)
+        return Lock(key, token, lease.task_id, ttl_ms)
 
-    def _poll(self, execution: Execution) -> float:
+    def _poll(self, execution: Execution, run: Lock | None) -> float:
         """Seconds between two looks of a run that waits for another run of its key."""
-        return min(self._interval(execution) / 4, _MAX_POLL)
+        return min(self._interval(execution, run) / 4, _MAX_POLL)
 
     def _waits(self, execution: Execution, message: TaskiqMessage, slot: str) -> None:
         holder = holder_task_id(slot)
@@ -1043,7 +1051,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 await locks.hand_over(run, execution.lock, linger=linger)
             elif succeeded:
                 remembered = execution.success_ttl * 1000
-                waited = int(2 * self._poll(execution) * 1000) + _WAITED_MARGIN_MS
+                waited = int(2 * self._poll(execution, run) * 1000) + _WAITED_MARGIN_MS
                 ended = await locks.finish(
                     run, "succeeded", remembered, waited_ms=waited, linger=linger
                 )
@@ -1178,8 +1186,9 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             return lock
         return Lock(lock.key, lock.token, lock.task_id, seconds * 1000)
 
-    def _interval(self, execution: Execution) -> float:
-        ttl = execution.lease.ttl_ms / 1000
+    def _interval(self, execution: Execution, lease: Lock | None = None) -> float:
+        """Seconds between two refreshes of ``lease`` (by default the run's lease)."""
+        ttl = (lease or execution.lease).ttl_ms / 1000
         interval = self.heartbeat_interval or max(ttl / 3, 1.0)
         # A refresh less often than half the TTL would let the lock lapse.
         return min(interval, ttl / 2)

@@ -33,7 +33,9 @@ from taskiq import (
     SimpleRetryMiddleware,
     SmartRetryMiddleware,
     TaskiqDepends,
+    TaskiqMessage,
     TaskiqMiddleware,
+    TaskiqResult,
     TaskiqScheduler,
 )
 from taskiq.schedule_sources import LabelScheduleSource
@@ -73,6 +75,10 @@ EXPLICIT_KEY = "e2e-explicit"
 SUCCESS_TTL = 3
 #: ``deduplication_ttl`` of the "expired" tasks: their throttle window.
 EXPIRED_TTL = 4
+#: ``deduplication_success_ttl`` of ``charge``: long enough to outlive any test.
+CHARGE_SUCCESS_TTL = 60
+#: The name of the task whose delivery :class:`AckWindow` records and whose ack it holds.
+CHARGE_TASK = "e2e.charge"
 #: The labels of each lock policy's tasks, by a name of the test's own:
 #: "remembered" is "finished" with a success TTL.
 POLICY_LABELS: dict[str, dict[str, Any]] = {
@@ -103,6 +109,12 @@ class Config:
     scheduled_policies: str = "finished"
     """The policies (of :data:`POLICY_LABELS`), comma-separated, with a scheduled task each."""
     scheduled_run_seconds: float = SCHEDULED_RUN_SECONDS
+    idle_timeout: int | None = None
+    """``idle_timeout`` of the Redis stream broker, in ms: an unacknowledged message
+    idle this long is claimed again by the next worker that reads the stream."""
+    ack_wait: float | None = None
+    """``ack_wait`` of the NATS consumer, in seconds: an unacknowledged message is
+    delivered again this long after its delivery."""
 
     def __post_init__(self) -> None:
         """Refuse a setup the app does not know."""
@@ -181,6 +193,15 @@ class Reports:
         await self.redis.rpush(self.config.key("started", tag), json.dumps(report))
         return run
 
+    async def enter(self, tag: str) -> None:
+        """Note that a body of ``tag`` runs; count an overlap if another one already does."""
+        if int(await self.redis.incr(self.config.key("live", tag))) > 1:
+            await self.redis.incr(self.config.key("overlapping", tag))
+
+    async def leave(self, tag: str) -> None:
+        """Note that a body of ``tag`` has ended (whatever its outcome)."""
+        await self.redis.decr(self.config.key("live", tag))
+
     async def pass_gate(self, tag: str) -> None:
         """Wait for the test to let this run of ``tag`` finish."""
         token = await self.redis.blpop([self.config.key("gate", tag)], timeout=GATE_TIMEOUT)
@@ -194,7 +215,8 @@ class Tasks:
     """The tasks of the app, as registered on one broker."""
 
     hold: AsyncTaskiqDecoratedTask[..., Any]
-    """Runs until its gate opens. Deduplicated with the middleware's defaults."""
+    """Runs until its gate opens. Deduplicated with the middleware's defaults.
+    Its runs and their overlaps are counted (``live``, ``overlapping``)."""
     hold_short_ttl: AsyncTaskiqDecoratedTask[..., Any]
     """``hold`` with ``deduplication_ttl=SHORT_TTL`` (3 s) on the decorator."""
     hold_opt_out: AsyncTaskiqDecoratedTask[..., Any]
@@ -211,6 +233,10 @@ class Tasks:
     """``hold`` with each policy's labels (:data:`POLICY_LABELS`) on the decorator."""
     flaky_by_policy: dict[str, AsyncTaskiqDecoratedTask[..., Any]]
     """``flaky`` with each policy's labels on the decorator."""
+    charge: AsyncTaskiqDecoratedTask[..., Any]
+    """Charges ``order`` once (counts it) and returns at once; keyed on ``order``
+    with ``deduplication_success_ttl=CHARGE_SUCCESS_TTL``: an idempotency key.
+    :class:`AckWindow` holds its ack until the test lets it go."""
     scheduled: dict[str, AsyncTaskiqDecoratedTask[..., Any]]
     """Scheduled every second, runs three seconds, one per scheduled policy; none
     without a schedule."""
@@ -226,13 +252,21 @@ def register_tasks(broker: AsyncBroker, config: Config) -> Tasks:
         locale: str = "",
         context: Context = TaskiqDepends(),
     ) -> dict[str, Any]:
-        run = await reports.started("hold", tag, context)
-        await reports.pass_gate(tag)
+        await reports.enter(tag)
+        try:
+            run = await reports.started("hold", tag, context)
+            await reports.pass_gate(tag)
+        finally:
+            await reports.leave(tag)
         return {"tag": tag, "run": run, "pid": os.getpid()}
 
     async def flaky(tag: str, failures: int, context: Context = TaskiqDepends()) -> str:
-        run = await reports.started("flaky", tag, context)
-        await reports.pass_gate(tag)
+        await reports.enter(tag)
+        try:
+            run = await reports.started("flaky", tag, context)
+            await reports.pass_gate(tag)
+        finally:
+            await reports.leave(tag)
         if run <= failures:
             msg = f"run {run} of {tag!r} fails on purpose"
             raise RuntimeError(msg)
@@ -241,6 +275,11 @@ def register_tasks(broker: AsyncBroker, config: Config) -> Tasks:
     async def count(n: int) -> int:
         await reports.redis.hincrby(config.key("count"), str(n), 1)
         return n
+
+    async def charge(order: int, context: Context = TaskiqDepends()) -> dict[str, Any]:
+        run = await reports.started("charge", f"order-{order}", context)
+        await reports.redis.hincrby(config.key("charged"), str(order), 1)
+        return {"order": order, "run": run, "pid": os.getpid()}
 
     retry_labels = {"retry_on_error": True, "max_retries": MAX_ATTEMPTS}
     policies = {name: labels for name, labels in POLICY_LABELS.items() if labels}
@@ -268,6 +307,11 @@ def register_tasks(broker: AsyncBroker, config: Config) -> Tasks:
             name: broker.task(f"e2e.flaky.{name}", **retry_labels, **labels)(flaky)
             for name, labels in policies.items()
         },
+        charge=broker.task(
+            CHARGE_TASK,
+            deduplication_key_fields=["order"],
+            deduplication_success_ttl=CHARGE_SUCCESS_TTL,
+        )(charge),
         scheduled=_register_scheduled(broker, config, reports),
     )
 
@@ -329,6 +373,41 @@ class TaskIdLabelScheduleSource(LabelScheduleSource):
                     scheduled.task_id = schedule["task_id"]
 
 
+class AckWindow(TaskiqMiddleware):
+    """Opens the window between a success and its acknowledgement, for ``charge``.
+
+    It records every delivery of ``charge`` (first in the chain, so it sees a
+    delivery whatever the middlewares after it do with it), and holds each
+    ``charge`` whose result is saved (``post_save``: after every middleware's
+    ``post_execute``, before taskiq acknowledges the message) until the test
+    pushes a token to its ``ack-gate``: a worker killed there has run the task
+    to its success, and the broker has not heard of it.
+    """
+
+    def __init__(self, config: Config) -> None:
+        """Report to the test's Redis."""
+        super().__init__()
+        self.reports = Reports(config)
+        self.config = config
+
+    async def pre_execute(self, message: TaskiqMessage) -> TaskiqMessage:
+        """Record a delivery of ``charge``."""
+        if message.task_name == CHARGE_TASK:
+            order = message.kwargs.get("order")
+            report = json.dumps({"task_id": message.task_id, "pid": os.getpid()})
+            await self.reports.redis.rpush(self.config.key("delivered", order), report)
+        return message
+
+    async def post_save(self, message: TaskiqMessage, result: TaskiqResult[Any]) -> None:
+        """Say that the result of ``charge`` is saved, then wait for the test's token."""
+        if message.task_name != CHARGE_TASK:
+            return
+        order = message.kwargs.get("order")
+        report = json.dumps({"task_id": message.task_id, "pid": os.getpid()})
+        await self.reports.redis.rpush(self.config.key("saved", order), report)
+        await self.reports.pass_gate(f"ack-{order}")
+
+
 def build_broker(config: Config) -> tuple[AsyncBroker, Tasks]:
     """The broker of ``config`` with its middlewares, result backend and tasks."""
     broker = _make_broker(config).with_result_backend(
@@ -359,7 +438,7 @@ def build_broker(config: Config) -> tuple[AsyncBroker, Tasks]:
         else:
             retry = SimpleRetryMiddleware(default_retry_count=MAX_ATTEMPTS)
         middlewares = [dedup, retry] if position == "first" else [retry, dedup]
-    broker.with_middlewares(*middlewares)
+    broker.with_middlewares(AckWindow(config), *middlewares)
     register_callsite_tasks(broker, config)
     return broker, register_tasks(broker, config)
 
@@ -377,6 +456,7 @@ def _make_broker(config: Config) -> AsyncBroker:
             queue_name=f"{config.prefix}:stream",
             consumer_group_name=config.name,
             xread_block=500,
+            idle_timeout=600_000 if config.idle_timeout is None else config.idle_timeout,
         )
     if config.broker == "rabbitmq":
         from taskiq_aio_pika import AioPikaBroker  # noqa: PLC0415 (only where it runs)
@@ -391,14 +471,19 @@ def _make_broker(config: Config) -> AsyncBroker:
             # SmartRetryMiddleware sends retries with a "delay" label.
             delay_queue=Queue(name=f"{config.name}.delay", type=QueueType.CLASSIC),
         )
+    from nats.js.api import ConsumerConfig  # noqa: PLC0415
     from taskiq_nats import PullBasedJetStreamBroker  # noqa: PLC0415
 
+    consumer = None
+    if config.ack_wait is not None:
+        consumer = ConsumerConfig(durable_name=config.name, ack_wait=config.ack_wait)
     return PullBasedJetStreamBroker(
         config.nats_url,
         subject=config.name,
         stream_name=config.name,
         durable=config.name,
         pull_consume_timeout=0.5,
+        consumer_config=consumer,
     )
 
 
@@ -488,4 +573,10 @@ def register_callsite_tasks(broker: AsyncBroker, config: Config) -> None:
         deduplication_debounce_max=DEBOUNCE_MAX,
         **retry_labels,
     )(reindex)
-    broker.task("e2e.cs.fenced", deduplication_key_fields=["tag"], **retry_labels)(fenced)
+    # Its runs may overlap: the fence is what tells a run that overlaps another.
+    broker.task(
+        "e2e.cs.fenced",
+        deduplication_key_fields=["tag"],
+        deduplication_exclusive=False,
+        **retry_labels,
+    )(fenced)

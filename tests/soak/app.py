@@ -1,10 +1,16 @@
-"""The application the soak runs: two brokers, their middlewares, one task, a ledger.
+"""The application the soak runs: four brokers, their middlewares, tasks, a ledger.
+
+The brokers are those of the e2e suite: taskiq-redis' list and stream brokers
+(the stream one reclaims a message idle for :data:`IDLE_TIMEOUT_MS`), RabbitMQ
+through taskiq-aio-pika and NATS JetStream through taskiq-nats (delivering a
+message again when it is not acknowledged within :data:`ACK_WAIT`). One ``work``
+task per lock policy (:data:`POLICIES`), some of whose calls outlast those two
+timeouts, so that their message is delivered again while they run.
 
 The same code runs in the soak's own process, in its client process
 (``python -m tests.soak.client``) and in every ``taskiq worker
-tests.soak.app:redis_list_worker`` / ``tests.soak.app:rabbitmq_worker``
-process. They agree on everything through one :class:`SoakConfig`, handed to
-the other processes as JSON in :data:`CONFIG_ENV`.
+tests.soak.app:<broker>_worker`` process. They agree on everything through one
+:class:`SoakConfig`, handed to the other processes as JSON in :data:`CONFIG_ENV`.
 
 Every run of the task writes its start and its end to PostgreSQL, the outside
 observer: it sees what really ran, whatever Redis, the brokers or the
@@ -20,31 +26,81 @@ import json
 import os
 import time
 import uuid
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 import redis.asyncio
+import redis.exceptions
 from taskiq import (
+    AckableMessage,
     AsyncBroker,
     AsyncTaskiqDecoratedTask,
     BrokerMessage,
     Context,
     SimpleRetryMiddleware,
+    SmartRetryMiddleware,
     TaskiqDepends,
     TaskiqMessage,
     TaskiqMiddleware,
 )
-from taskiq_redis import ListQueueBroker
+from taskiq_redis import ListQueueBroker, RedisStreamBroker
 
 from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
 
 CONFIG_ENV = "DEDUP_SOAK_CONFIG"
-BROKERS = ("redis-list", "rabbitmq")
+BROKERS = ("redis-list", "redis-stream", "rabbitmq", "nats")
+#: The brokers that deliver a message again until a worker acknowledges it.
+AT_LEAST_ONCE = frozenset({"redis-stream", "rabbitmq", "nats"})
 #: Attempts of a failing task in all (taskiq's ``max_retries`` label counts attempts).
 MAX_ATTEMPTS = 3
 TASK_NAME = "soak.work"
 CHAIN_NAME = "soak.chain"
+POKE_NAME = "soak.poke"
+#: The stream broker claims a message again once it is idle (unacknowledged) this long.
+IDLE_TIMEOUT_MS = 2000
+#: NATS delivers a message again when it is not acknowledged within this, in seconds.
+ACK_WAIT = 3.0
+#: ``deduplication_success_ttl`` of the "remembered" task.
+SUCCESS_TTL = 5
+#: ``deduplication_ttl`` of the "expired" task: its throttle window.
+EXPIRED_TTL = 4
+#: The debounce of the "debounce" task: quiet period and longest wait, in seconds.
+DEBOUNCE_QUIET, DEBOUNCE_MAX = 0.3, 1.0
+#: The ``work`` task of each lock policy, by a name of the soak's own, with its
+#: labels. "merge" and "debounce" key on ``fp`` alone: their repeats vary ``ms``.
+POLICIES: dict[str, dict[str, Any]] = {
+    "finished": {},
+    "remembered": {"deduplication_success_ttl": SUCCESS_TTL},
+    "started": {"deduplication_until": "started"},
+    "expired": {"deduplication_until": "expired", "deduplication_ttl": EXPIRED_TTL},
+    "merge": {
+        "deduplication_until": "started",
+        "deduplication_merge": "latest",
+        "deduplication_key_fields": ["fp"],
+    },
+    "debounce": {
+        "deduplication_debounce": DEBOUNCE_QUIET,
+        "deduplication_debounce_max": DEBOUNCE_MAX,
+        "deduplication_key_fields": ["fp"],
+    },
+}
+
+
+def policy_of(fp: str) -> str:
+    """The lock policy of a call, from its fingerprint ``<broker>:<policy>:<n>``.
+
+    A chain call and the call it sends (``<broker>:chain:<n>``,
+    ``<broker>:child:<n>``) and any other fingerprint are "finished".
+    """
+    parts = fp.split(":")
+    return parts[1] if len(parts) == 3 and parts[1] in POLICIES else "finished"
+
+
+def fingerprint(kind: str, policy: str, serial: int) -> str:
+    """The fingerprint of a new call: its broker, its policy, a serial number."""
+    return f"{kind}:{policy}:{serial}"
 
 
 @dataclass(frozen=True)
@@ -59,6 +115,10 @@ class SoakConfig:
     """The Redis of ``ListQueueBroker``, through a second proxy."""
     amqp_url: str
     """RabbitMQ, through a third proxy."""
+    stream_redis_url: str
+    """The Redis of ``RedisStreamBroker`` (the list broker's server), through a proxy of its own."""
+    nats_url: str
+    """NATS, through a proxy."""
     pg_dsn: str
     ttl: int
     """The middleware's ``default_ttl``."""
@@ -167,8 +227,11 @@ class App:
 
     kind: str
     broker: AsyncBroker
-    work: AsyncTaskiqDecoratedTask[..., Any]
+    work: dict[str, AsyncTaskiqDecoratedTask[..., Any]]
+    """The ``work`` task of each policy of :data:`POLICIES`."""
     chain: AsyncTaskiqDecoratedTask[..., Any]
+    poke: AsyncTaskiqDecoratedTask[..., Any]
+    """Does nothing, undeduplicated and unrecorded: wakes a stream worker up."""
     ledger: Ledger
 
 
@@ -183,9 +246,14 @@ def build(config: SoakConfig, kind: str, *, client: bool = False) -> App:
         startup_retries=5,
         startup_retry_delay=0.5,
     )
-    retry = SimpleRetryMiddleware(default_retry_count=MAX_ATTEMPTS)
-    # Both orders of deduplication and retries, one per broker.
-    middlewares: list[TaskiqMiddleware] = [dedup, retry] if kind == "redis-list" else [retry, dedup]
+    # Both retry middlewares, each in both orders with deduplication.
+    retry: TaskiqMiddleware
+    if kind in {"redis-list", "rabbitmq"}:
+        retry = SimpleRetryMiddleware(default_retry_count=MAX_ATTEMPTS)
+    else:
+        retry = SmartRetryMiddleware(default_retry_count=MAX_ATTEMPTS, default_delay=0.1)
+    dedup_first = kind in {"redis-list", "nats"}
+    middlewares: list[TaskiqMiddleware] = [dedup, retry] if dedup_first else [retry, dedup]
     if client:
         middlewares.append(SendTimer())
     broker.with_middlewares(*middlewares)
@@ -216,7 +284,15 @@ def build(config: SoakConfig, kind: str, *, client: bool = False) -> App:
     labels: dict[str, Any] = {"retry_on_error": True, "max_retries": MAX_ATTEMPTS}
     if config.running_ttl is not None:
         labels["deduplication_running_ttl"] = config.running_ttl
-    task = broker.task(TASK_NAME, **labels)(work)
+    tasks = {
+        policy: broker.task(
+            TASK_NAME if policy == "finished" else f"{TASK_NAME}.{policy}",
+            **labels,
+            **policy_labels,
+        )(work)
+        for policy, policy_labels in POLICIES.items()
+    }
+    task = tasks["finished"]
 
     def chain(fp: str, child: str, ms: int, context: Context = TaskiqDepends()) -> str:
         # A sync task: taskiq runs it in its thread pool, and it enqueues a
@@ -267,7 +343,14 @@ def build(config: SoakConfig, kind: str, *, client: bool = False) -> App:
         return fp
 
     chained = broker.task(CHAIN_NAME)(chain)
-    return App(kind, broker, task, chained, ledger)
+
+    async def poke() -> None:
+        # Nothing: a stream worker claims idle messages (those of a killed
+        # worker) only after a read that found a new one.
+        return None
+
+    poked = broker.task(POKE_NAME, deduplication=False)(poke)
+    return App(kind, broker, tasks, chained, poked, ledger)
 
 
 def _one(conn: psycopg.Connection[Any], sql: str, params: tuple[Any, ...]) -> Any:
@@ -310,12 +393,55 @@ class _AnyLoopListQueueBroker(ListQueueBroker):
             await client.aclose()
 
 
+class _ReconnectingStreamBroker(RedisStreamBroker):
+    """``RedisStreamBroker`` whose listener outlives a lost connection to its Redis.
+
+    taskiq-redis' stream listener lets a ``ConnectionError`` end the worker
+    process, which taskiq does not replace: a cut of the broker's Redis would
+    leave the stream without a consumer, and the messages of killed workers
+    unclaimed. Here the listener reads again after a pause, as a deployment's
+    supervisor would restart it, so that the soak sees the middleware's doing.
+    """
+
+    async def listen(self) -> AsyncGenerator[AckableMessage, None]:
+        """Listen, starting again whenever the connection to Redis is lost."""
+        while True:
+            try:
+                async for message in super().listen():
+                    yield message
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):  # noqa: PERF203 (read again)
+                await asyncio.sleep(0.5)
+
+
 def _make_broker(config: SoakConfig, kind: str) -> AsyncBroker:
     if kind == "redis-list":
         # BRPOP waits without a timeout: the default socket timeout would end
         # an idle worker's listener (taskiq-redis catches ConnectionError only).
         return _AnyLoopListQueueBroker(
             config.list_redis_url, queue_name=config.queue(kind), socket_timeout=None
+        )
+    if kind == "redis-stream":
+        return _ReconnectingStreamBroker(
+            config.stream_redis_url,
+            queue_name=config.queue(kind),
+            consumer_group_name=config.queue(kind),
+            idle_timeout=IDLE_TIMEOUT_MS,
+            xread_block=500,
+        )
+    if kind == "nats":
+        from nats.js.api import ConsumerConfig  # noqa: PLC0415 (only where it runs)
+        from taskiq_nats import PullBasedJetStreamBroker  # noqa: PLC0415
+
+        name = config.queue(kind)
+        return PullBasedJetStreamBroker(
+            config.nats_url,
+            subject=name,
+            stream_name=name,
+            durable=name,
+            pull_consume_timeout=0.5,
+            consumer_config=ConsumerConfig(durable_name=name, ack_wait=ACK_WAIT),
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=1,
         )
     from taskiq_aio_pika import AioPikaBroker  # noqa: PLC0415 (only where it runs)
     from taskiq_aio_pika.exchange import Exchange  # noqa: PLC0415
@@ -339,3 +465,13 @@ def redis_list_worker() -> AsyncBroker:
 def rabbitmq_worker() -> AsyncBroker:
     """The broker for ``taskiq worker tests.soak.app:rabbitmq_worker``."""
     return build(SoakConfig.from_env(), "rabbitmq").broker
+
+
+def redis_stream_worker() -> AsyncBroker:
+    """The broker for ``taskiq worker tests.soak.app:redis_stream_worker``."""
+    return build(SoakConfig.from_env(), "redis-stream").broker
+
+
+def nats_worker() -> AsyncBroker:
+    """The broker for ``taskiq worker tests.soak.app:nats_worker``."""
+    return build(SoakConfig.from_env(), "nats").broker

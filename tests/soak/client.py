@@ -1,18 +1,22 @@
 """The soak's client: ``python -m tests.soak.client SECONDS RATE DUP_SHARE CHAIN_SHARE SEED``.
 
-It starts both brokers of :mod:`tests.soak.app` (each with its own middleware)
+It starts every broker of :mod:`tests.soak.app` (each with its own middleware)
 and sends ``work`` calls for SECONDS at about RATE calls a second, each in a
-task of its own so that a slow ``kiq`` never holds the next one back. A share
-DUP_SHARE of the sends repeat the arguments of a call sent in the last few
-seconds, while the first may still be queued or running. A share CHAIN_SHARE
-of the list broker's new calls are ``chain`` calls (a sync task that sends a
-``work`` call with ``asyncio.run``). Every send's outcome
-(accepted, duplicate, error) and latency go to the ledger's ``kiqs`` table.
+task of its own so that a slow ``kiq`` never holds the next one back. Each new
+call picks a lock policy (:data:`POLICY_WEIGHTS`); a share :data:`LONG_SHARE`
+of them run longer than the stream's ``idle_timeout`` and NATS' ``ack_wait``.
+A share DUP_SHARE of the sends repeat a call sent in the last few seconds,
+while the first may still be queued or running (a merging or debounced one
+with another duration: its key is its ``fp``). A share CHAIN_SHARE of the list
+broker's new calls are ``chain`` calls (a sync task that sends a ``work`` call
+with ``asyncio.run``). Every send's outcome (accepted, duplicate, merged,
+error) and latency go to the ledger's ``kiqs`` table.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import sys
 import time
@@ -22,7 +26,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from taskiq_deduplication import DuplicateTaskError
-from tests.soak.app import BROKERS, LOCK_TAKEN_AT, App, Ledger, SoakConfig, build
+from tests.soak.app import (
+    ACK_WAIT,
+    BROKERS,
+    IDLE_TIMEOUT_MS,
+    LOCK_TAKEN_AT,
+    App,
+    Ledger,
+    SoakConfig,
+    build,
+    fingerprint,
+)
 
 #: No send may take longer than this: the client gives up on it (outcome ``error``).
 HARD_CAP = 60.0
@@ -32,6 +46,19 @@ MAX_IN_FLIGHT = 2000
 RECENT = 3.0
 #: How often the buffered outcomes are written to the ledger.
 FLUSH_EVERY = 0.5
+#: How often a new call picks each lock policy.
+POLICY_WEIGHTS = {
+    "finished": 40,
+    "remembered": 15,
+    "started": 15,
+    "expired": 10,
+    "merge": 10,
+    "debounce": 10,
+}
+#: Share of new calls that outlast the stream's idle_timeout and NATS' ack_wait.
+LONG_SHARE = 0.1
+#: How long those run, in ms.
+LONG_MS = (int(max(IDLE_TIMEOUT_MS, ACK_WAIT * 1000)) + 500, int(ACK_WAIT * 1000) + 2500)
 
 
 @dataclass(frozen=True)
@@ -41,6 +68,7 @@ class Call:
     fp: str
     ms: int
     fails: int
+    policy: str = "finished"
     chain: bool = False
     """A ``chain`` call: a sync task that sends a ``work`` call from a second event loop."""
 
@@ -66,16 +94,26 @@ class Sender:
         while recent and recent[0][0] < now - RECENT:
             recent.popleft()
         if recent and self.rng.random() < dup_share:
-            return self.rng.choice(recent)[1]
+            call = self.rng.choice(recent)[1]
+            if call.policy in {"merge", "debounce"}:
+                call = dataclasses.replace(call, ms=self.duration())
+            return call
         self.serial += 1
-        ms = self.rng.randint(20, 1500)
+        ms = self.duration()
         if kind == "redis-list" and self.rng.random() < chain_share:
-            call = Call(f"{kind}-chain-{self.serial}", ms, 0, chain=True)
+            call = Call(fingerprint(kind, "chain", self.serial), ms, 0, chain=True)
         else:
             fails = self.rng.choices((0, 1, 2), weights=(80, 14, 6))[0]
-            call = Call(f"{kind}-{self.serial}", ms, fails)
+            policy = self.rng.choices(list(POLICY_WEIGHTS), weights=list(POLICY_WEIGHTS.values()))
+            call = Call(fingerprint(kind, policy[0], self.serial), ms, fails, policy[0])
         recent.append((now, call))
         return call
+
+    def duration(self) -> int:
+        """How long a new call runs, in ms: mostly short, sometimes past the brokers' timeouts."""
+        if self.rng.random() < LONG_SHARE:
+            return self.rng.randint(*LONG_MS)
+        return self.rng.randint(20, 1500)
 
     async def send(self, kind: str, call: Call) -> None:
         """Send one call and buffer what came of it."""
@@ -87,7 +125,7 @@ class Sender:
         try:
             app = self.apps[kind]
             if call.chain:
-                child = call.fp.replace("-chain-", "-child-")
+                child = call.fp.replace(":chain:", ":child:")
                 sending = (
                     app.chain.kicker()
                     .with_task_id(task_id)
@@ -95,13 +133,14 @@ class Sender:
                 )
             else:
                 sending = (
-                    app.work.kicker()
+                    app.work[call.policy]
+                    .kicker()
                     .with_task_id(task_id)
                     .kiq(fp=call.fp, ms=call.ms, fails=call.fails)
                 )
             await asyncio.wait_for(sending, HARD_CAP)
         except DuplicateTaskError as exc:
-            outcome, holder = "duplicate", exc.holder_task_id
+            outcome, holder = "merged" if exc.merged else "duplicate", exc.holder_task_id
         except Exception as exc:  # noqa: BLE001 (every failure is an outcome to count)
             outcome, error = "error", f"{type(exc).__name__}: {exc}"[:300]
         else:
@@ -164,7 +203,7 @@ class Sender:
 async def main(
     seconds: float, rate: float, dup_share: float, chain_share: float, seed: int
 ) -> None:
-    """Start both brokers, send, stop them."""
+    """Start every broker, send, stop them."""
     config = SoakConfig.from_env()
     apps = {kind: build(config, kind, client=True) for kind in BROKERS}
     ledger = Ledger(config)

@@ -5,6 +5,12 @@ the end; nothing asks the system under test. Each anomaly is put in a class;
 the classes in :data:`DOCUMENTED` are windows that the documentation admits
 (a Redis restart loses every lock, an at-most-once broker loses the messages of
 a killed worker, ...). Everything else is a breach, and the soak exits 1.
+
+Two runs of one lock key (one fingerprint: the soak's fingerprints name their
+broker and policy) never overlap, whatever the policy and whoever sent them,
+redelivered copies included: only :data:`OVERLAP_WINDOWS` explain an overlap,
+and a lease that lapsed under a worker cut off from Redis is counted on its own
+line. A copy of a run whose success its lock remembers never runs its body.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import itertools
 from collections import Counter, defaultdict
 from typing import Any
 
-from tests.soak.app import MAX_ATTEMPTS
+from tests.soak.app import AT_LEAST_ONCE, EXPIRED_TTL, MAX_ATTEMPTS, SUCCESS_TTL, policy_of
 
 REDIS_FAULTS = frozenset({"redis-restart", "redis-pause", "redis-cut"})
 #: A lock is released by the worker after the task's end is stamped; allow this
@@ -36,6 +42,14 @@ RETRY_REFUSED_IN_FAULT = "retry not sent: Redis or broker fault"
 RELEASE_LOST = "release lost in a Redis fault (lock lives out its TTL)"
 HOLDER_KILLED = "holder was killed (lock lives out its TTL)"
 HOLDER_LOST = "holder's message was lost"
+LEASE_LAPSED = "lease lapsed under a worker cut off from Redis (fenced)"
+SUCCESS_FORGOTTEN = "copy of a success its lock no longer held (no success TTL)"
+REMEMBERED_RAN_AGAIN = "ran again after a success the lock remembered"
+NEVER_RAN_AT_LEAST_ONCE = "never ran on an at-least-once broker"
+#: The only windows in which two runs of one lock key may overlap.
+OVERLAP_WINDOWS = frozenset({LOST_IN_RESTART, LONG_PAUSE, LEASE_LAPSED, FAIL_OPEN})
+#: Policies under which a second send is refused while the first is queued or running.
+REFUSING_POLICIES = frozenset({"finished", "remembered"})
 DOCUMENTED = frozenset(
     {
         LOST_IN_RESTART,
@@ -53,8 +67,19 @@ DOCUMENTED = frozenset(
         RELEASE_LOST,
         HOLDER_KILLED,
         HOLDER_LOST,
+        LEASE_LAPSED,
+        SUCCESS_FORGOTTEN,
     }
 )
+#: The documented windows of each invariant.
+WINDOWS: dict[str, frozenset[str]] = {
+    "overlaps": OVERLAP_WINDOWS,
+    "ran_again": frozenset({SUCCESS_FORGOTTEN, LOST_IN_RESTART}),
+    "let_through": DOCUMENTED,
+    "never_ran": DOCUMENTED,
+    "never_completed": DOCUMENTED,
+    "stale_refusals": DOCUMENTED,
+}
 INF = float("inf")
 
 
@@ -138,6 +163,12 @@ class Ledger:
             for f in self.faults_in({"redis-pause"}, start, window_end)
         ):
             return LONG_PAUSE
+        lease = float(self.options.get("running_ttl") or self.ttl)
+        if any(
+            f["ended"] - f["started"] >= lease - 1.0
+            for f in self.faults_in({"redis-cut"}, start, window_end)
+        ):
+            return LEASE_LAPSED
         if (
             kb is None
             or kb["outcome"] != "accepted"
@@ -192,8 +223,40 @@ class Ledger:
         return "redelivered (unexplained)"
 
 
+def lease(led: Ledger, fp: str) -> float:
+    """How long the lock of ``fp`` outlives a worker that can no longer refresh it."""
+    if policy_of(fp) == "expired":
+        return float(EXPIRED_TTL)
+    running = led.options.get("running_ttl")
+    return float(running) if running else led.ttl
+
+
+def why_overlap(led: Ledger, fp: str, a: dict[str, Any], b: dict[str, Any]) -> str:
+    """Why run ``b`` of lock key ``fp`` started while run ``a`` still ran."""
+    ka = led.kiq_of.get(a["task_id"])
+    since = min(a["started"], ka["started"]) if ka else a["started"]
+    if led.faults_in({"redis-restart"}, since, b["started"]):
+        return LOST_IN_RESTART
+    lapse = lease(led, fp) - 1.0
+    if any(
+        f["ended"] - f["started"] >= lapse
+        for f in led.faults_in({"redis-pause", "redis-cut"}, a["started"], b["started"])
+    ):
+        return LEASE_LAPSED
+    if b["broker"] in led.fail_open and led.faults_in(
+        REDIS_FAULTS, b["started"] - led.timeout - 1.0, b["started"] + 1.0
+    ):
+        return FAIL_OPEN  # the run's own claim failed open
+    if a["task_id"] == b["task_id"]:
+        return led.why_redelivered(a, b)
+    kb = led.kiq_of.get(b["task_id"])
+    return led.why_two_at_once(
+        a["task_id"], b["task_id"], b["broker"], kb["ended"] if kb else b["started"]
+    )
+
+
 def overlaps(led: Ledger) -> list[dict[str, Any]]:
-    """Pairs of runs of one fingerprint that ran at the same time, each with its class."""
+    """Pairs of runs of one lock key (fingerprint) that ran at the same time, with their class."""
     by_fp: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for run in led.runs:
         by_fp[run["fp"]].append(run)
@@ -205,21 +268,51 @@ def overlaps(led: Ledger) -> list[dict[str, Any]]:
             for b in runs[i + 1 :]:
                 if b["started"] >= end_a:
                     break
-                if a["task_id"] == b["task_id"]:
-                    why = led.why_redelivered(a, b)
-                else:
-                    kb = led.kiq_of.get(b["task_id"])
-                    why = led.why_two_at_once(
-                        a["task_id"], b["task_id"], b["broker"], kb["ended"] if kb else b["started"]
-                    )
                 found.append(
                     {
                         "fp": fp,
-                        "class": why,
+                        "broker": a["broker"],
+                        "policy": policy_of(fp),
+                        "same_task": a["task_id"] == b["task_id"],
+                        "class": why_overlap(led, fp, a, b),
                         "a": (a["task_id"], a["attempt"], a["pid"], a["started"], end_a),
                         "b": (b["task_id"], b["attempt"], b["pid"], b["started"], led.end(b)),
                     }
                 )
+    return found
+
+
+def ran_again(led: Ledger) -> list[dict[str, Any]]:
+    """Runs of a task that started after one of its runs had succeeded, with their class.
+
+    A copy of a success that its lock remembers (``deduplication_success_ttl``)
+    must not run its body; one that comes after its lock was released (no
+    success TTL) runs, as nothing remembers the success any more.
+    """
+    found = []
+    for task_id, runs in led.runs_of.items():
+        ok = next((r for r in runs if r["outcome"] == "ok"), None)
+        if ok is None:
+            continue
+        for later in runs:
+            if later is ok or later["started"] < ok["ended"]:
+                continue  # before the success ended: an overlap, counted there
+            remembered = policy_of(later["fp"]) == "remembered"
+            if not remembered or later["started"] > ok["ended"] + SUCCESS_TTL:
+                why = SUCCESS_FORGOTTEN
+            elif led.faults_in({"redis-restart"}, ok["ended"], later["started"]):
+                why = LOST_IN_RESTART
+            else:
+                why = REMEMBERED_RAN_AGAIN
+            found.append(
+                {
+                    "task_id": task_id,
+                    "fp": later["fp"],
+                    "broker": later["broker"],
+                    "class": why,
+                    "after": later["started"] - ok["ended"],
+                }
+            )
     return found
 
 
@@ -231,7 +324,8 @@ def let_through(led: Ledger) -> list[dict[str, Any]]:
     """
     by_fp: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for kiq in led.accepted.values():
-        by_fp[kiq["fp"]].append(kiq)
+        if policy_of(kiq["fp"]) in REFUSING_POLICIES:  # the others let a send in on purpose
+            by_fp[kiq["fp"]].append(kiq)
     found = []
     for fp, kiqs in by_fp.items():
         kiqs.sort(key=lambda k: k["started"])
@@ -267,7 +361,7 @@ def never_ran(led: Ledger) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         runs = led.runs_of.get(task_id)
         after = kiq["started"] - 1.0
         if not runs:
-            if kiq["broker"] == "redis-list":
+            if kiq["broker"] not in AT_LEAST_ONCE:
                 if led.faults_in(
                     {"worker-sigkill:redis-list", "worker-sigterm:redis-list"}, after, INF
                 ):
@@ -279,15 +373,19 @@ def never_ran(led: Ledger) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
                 else:
                     why = "never ran (unexplained)"
             else:
-                why = "never ran on an at-least-once broker"
+                why = NEVER_RAN_AT_LEAST_ONCE
             lost.append(
                 {"task_id": task_id, "broker": kiq["broker"], "class": why, "at": kiq["started"]}
             )
             continue
         last = runs[-1]
-        if last["outcome"] == "ok" or (
-            last["outcome"] == "failed" and last["attempt"] >= MAX_ATTEMPTS - 1
+        if any(
+            r["outcome"] == "ok" or (r["outcome"] == "failed" and r["attempt"] >= MAX_ATTEMPTS - 1)
+            for r in runs
         ):
+            # Completed. A copy that ran beside the run that completed (an
+            # overlap, counted there) and was killed is not redelivered: the
+            # broker heard of the message's end from the other run.
             continue
         if last["outcome"] is None:
             if last["broker"] != "redis-list" and last["pid"] in led.death:
@@ -400,6 +498,20 @@ def stale_refusals(led: Ledger) -> list[dict[str, Any]]:
             continue  # a retry is on its way: the lock is rightly held
         if kiq["started"] < ended + RELEASE_MARGIN:
             continue
+        policy = policy_of(kiq["fp"])
+        if (
+            policy == "remembered"
+            and last["outcome"] == "ok"
+            and kiq["started"] < ended + SUCCESS_TTL + RELEASE_MARGIN
+        ):
+            continue  # the success TTL refuses it, as it should
+        holder_kiq = led.kiq_of.get(holder)
+        if (
+            policy == "expired"
+            and holder_kiq is not None
+            and kiq["started"] < holder_kiq["started"] + EXPIRED_TTL + RELEASE_MARGIN
+        ):
+            continue  # inside the holder's window
         death = led.death.get(last["pid"])
         # Killed between the end of its body and its release: the lock lives one TTL.
         killed_before_release = (
@@ -497,6 +609,7 @@ def analyse(
     """Check every invariant; return the figures and the list of breaches."""
     led = Ledger(data, options)
     found_overlaps = overlaps(led)
+    found_again = ran_again(led)
     found_through = let_through(led)
     lost, unfinished = never_ran(led)
     stale = stale_refusals(led)
@@ -508,15 +621,16 @@ def analyse(
     def classes(items: list[dict[str, Any]]) -> dict[str, int]:
         return dict(Counter(item["class"] for item in items))
 
-    for name, items in (
-        ("overlapping runs", found_overlaps),
-        ("sends let through", found_through),
-        ("accepted, never ran", lost),
-        ("ran, never completed", unfinished),
-        ("stale refusals", stale),
+    for name, key, items in (
+        ("overlapping runs of one lock key", "overlaps", found_overlaps),
+        ("ran again after a success", "ran_again", found_again),
+        ("sends let through", "let_through", found_through),
+        ("accepted, never ran", "never_ran", lost),
+        ("ran, never completed", "never_completed", unfinished),
+        ("stale refusals", "stale_refusals", stale),
     ):
         for why, n in classes(items).items():
-            if why not in DOCUMENTED and why != "holder unknown":
+            if why not in WINDOWS[key] and why != "holder unknown":
                 breaches.append(f"{name}: {n} x {why}")
     if locks:
         breaches.append(f"locks left one TTL after everything ended: {len(locks)}")
@@ -551,6 +665,14 @@ def analyse(
         },
         "faults": [{**f, "seconds": round(f["ended"] - f["started"], 2)} for f in led.faults],
         "overlaps": classes(found_overlaps),
+        "overlaps_by": dict(
+            Counter(
+                f"{o['broker']}/{o['policy']}/{'copy' if o['same_task'] else 'another send'}"
+                for o in found_overlaps
+                if o["class"] not in OVERLAP_WINDOWS
+            )
+        ),
+        "ran_again": classes(found_again),
         "let_through": classes(found_through),
         "never_ran": classes(lost),
         "never_completed": classes(unfinished),
@@ -561,7 +683,8 @@ def analyse(
         "memory": mem,
         "breaches": breaches,
         "examples": {
-            "overlaps": [o for o in found_overlaps if o["class"] not in DOCUMENTED][:5],
+            "overlaps": [o for o in found_overlaps if o["class"] not in OVERLAP_WINDOWS][:5],
+            "ran_again": [o for o in found_again if o["class"] not in WINDOWS["ran_again"]][:5],
             "let_through": [o for o in found_through if o["class"] not in DOCUMENTED][:5],
             "stale_refusals": [o for o in stale if o["class"] not in DOCUMENTED][:5],
             "never_ran": [o for o in lost + unfinished if o["class"] not in DOCUMENTED][:5],
@@ -586,7 +709,8 @@ def render(result: dict[str, Any]) -> str:
         "invariant (class: count; * = outside the documented windows)",
     ]
     for title, key in (
-        ("overlapping runs of one fingerprint", "overlaps"),
+        ("overlapping runs of one lock key", "overlaps"),
+        ("bodies run again after a success", "ran_again"),
         ("sends accepted while the first was queued/running", "let_through"),
         ("accepted but never ran", "never_ran"),
         ("ran but never completed", "never_completed"),
@@ -594,9 +718,24 @@ def render(result: dict[str, Any]) -> str:
     ):
         counts = result[key]
         shown = ", ".join(
-            f"{'' if why in DOCUMENTED else '*'}{why}: {n}" for why, n in sorted(counts.items())
+            f"{'' if why in WINDOWS[key] else '*'}{why}: {n}" for why, n in sorted(counts.items())
         )
         lines.append(f"  {title}: {sum(counts.values())}" + (f" ({shown})" if shown else ""))
+        if key == "overlaps":
+            lapses = counts.get(LEASE_LAPSED, 0) + counts.get(LONG_PAUSE, 0)
+            outside = sum(n for why, n in counts.items() if why not in OVERLAP_WINDOWS)
+            lines.append(f"    outside the windows (must be 0): {outside} {result['overlaps_by']}")
+            lines.append(f"    lease lapses under a cut-off worker (fenced): {lapses}")
+        if key == "ran_again":
+            lines.append(
+                "    after a success the lock remembered (must be 0): "
+                f"{counts.get(REMEMBERED_RAN_AGAIN, 0)}"
+            )
+        if key == "never_ran":
+            lines.append(
+                "    on an at-least-once broker (must be 0): "
+                f"{counts.get(NEVER_RAN_AT_LEAST_ONCE, 0)}"
+            )
     left = result["locks_left"]
     lines.append(f"  locks left one TTL after the end: {len(left)}")
     if left:

@@ -4,15 +4,18 @@ Layout of one run (every server private to it, every port on loopback)::
 
     client process ─┐                        ┌─> redis-server (locks)     LOCK_PORT
     taskiq workers ─┼─> proxy LOCK_PROXY ────┘
-                    ├─> proxy LIST_PROXY ─────> redis-server (list queue, AOF) LIST_PORT
-                    └─> proxy AMQP_PROXY ─────> the machine's RabbitMQ (5672)
+                    ├─> proxy LIST_PROXY ───┬─> redis-server (list queue and stream, AOF)
+                    ├─> proxy STREAM_PROXY ─┘                               LIST_PORT
+                    ├─> proxy AMQP_PROXY ─────> the machine's RabbitMQ (5672)
+                    └─> proxy NATS_PROXY ─────> the machine's NATS (4222)
 
 The middleware's Redis is restarted, paused and cut; the brokers are cut at
-their proxies (the machine's RabbitMQ is shared, so it is never restarted: a
-cut of every connection is what a restart looks like to its clients), and the
-list broker's own Redis is restarted (with an append-only file, so that the
-queue survives as a persistent broker's would). Workers get SIGKILL and SIGTERM
-and are replaced. Every fault is written to the ledger with its start and end.
+their proxies (the machine's RabbitMQ and NATS are shared, so they are never
+restarted: a cut of every connection is what a restart looks like to their
+clients), and the Redis of the list and stream brokers is restarted (with an
+append-only file, so that the queues survive as a persistent broker's would).
+Workers get SIGKILL and SIGTERM and are replaced. Every fault is written to the
+ledger with its start and end.
 """
 
 from __future__ import annotations
@@ -41,12 +44,14 @@ from tests._server import Server
 from tests.e2e.conftest import Process, Processes
 from tests.faults._proxy import Proxy
 from tests.soak import ledger, report
-from tests.soak.app import BROKERS, CONFIG_ENV, MAX_ATTEMPTS, SoakConfig
+from tests.soak.app import BROKERS, CONFIG_ENV, MAX_ATTEMPTS, SoakConfig, build
 
 logger = logging.getLogger(__name__)
 
 LOCK_PORT, LIST_PORT, LOCK_PROXY, LIST_PROXY, AMQP_PROXY = 6395, 6396, 6397, 6398, 6399
+STREAM_PROXY, NATS_PROXY = 6393, 6394
 AMQP_HOST, AMQP_PORT = "127.0.0.1", 5672
+NATS_PORT = 4222
 #: How often resident memory is sampled.
 RSS_EVERY = 1.0
 #: Longest wait for the queues to drain after the last send.
@@ -57,17 +62,15 @@ SETTLED = 15.0
 SIGTERM_GRACE = 15.0
 
 FAULTS = (
-    "worker-sigkill:redis-list",
-    "worker-sigkill:rabbitmq",
-    "worker-sigterm:redis-list",
-    "worker-sigterm:rabbitmq",
+    *(f"worker-{how}:{kind}" for how in ("sigkill", "sigterm") for kind in BROKERS),
     "redis-restart:locks",
     "redis-pause:locks",
     "redis-cut:locks",
-    "broker-cut:redis-list",
-    "broker-cut:rabbitmq",
+    *(f"broker-cut:{kind}" for kind in BROKERS),
     "broker-restart:redis-list",
 )
+"""Every fault, one of each per round. ``broker-restart:redis-list`` restarts the
+Redis of the list and the stream brokers."""
 
 
 @dataclass(frozen=True)
@@ -291,14 +294,23 @@ class Conductor:
         """
         last_change, previous = time.time(), None
         limit = time.monotonic() + DRAIN_LIMIT
-        while time.monotonic() < limit:
-            state = await asyncio.to_thread(self._ledger_state)
-            pending, _fingerprint = state
-            if state != previous:
-                previous, last_change = state, time.time()
-            if pending == 0 or time.time() - last_change > SETTLED:
-                break
-            await asyncio.sleep(1.0)
+        stream = build(self.config, "redis-stream", client=True)
+        await stream.broker.startup()
+        try:
+            while time.monotonic() < limit:
+                # The messages of a killed stream worker are claimed by the next
+                # read that finds a new message: with no more sends, poke.
+                with contextlib.suppress(Exception):
+                    await stream.poke.kiq()
+                state = await asyncio.to_thread(self._ledger_state)
+                pending, _fingerprint = state
+                if state != previous:
+                    previous, last_change = state, time.time()
+                if pending == 0 or time.time() - last_change > SETTLED:
+                    break
+                await asyncio.sleep(1.0)
+        finally:
+            await stream.broker.shutdown()
         return last_change
 
     def _ledger_state(self) -> tuple[int, tuple[Any, ...]]:
@@ -380,6 +392,17 @@ async def _delete_rabbitmq_objects(config: SoakConfig) -> None:
         await channel.exchange_delete(name)
 
 
+async def _delete_nats_objects(config: SoakConfig) -> None:
+    """Delete the run's JetStream stream, straight on NATS (not the proxy)."""
+    import nats  # noqa: PLC0415 (only at cleanup)
+
+    client = await nats.connect(f"nats://127.0.0.1:{NATS_PORT}")
+    try:
+        await client.jetstream().delete_stream(config.queue("nats"))
+    finally:
+        await client.close()
+
+
 async def soak(options: Options) -> int:
     """Run the soak; return the exit status (1 when an invariant is broken)."""
     run_id = uuid.uuid4().hex[:10]
@@ -392,11 +415,13 @@ async def soak(options: Options) -> int:
         ),
         list_redis_url=f"redis://127.0.0.1:{LIST_PROXY}/0",
         amqp_url=f"amqp://guest:guest@127.0.0.1:{AMQP_PROXY}/?reconnect_interval=1",
+        stream_redis_url=f"redis://127.0.0.1:{STREAM_PROXY}/0",
+        nats_url=f"nats://127.0.0.1:{NATS_PROXY}",
         pg_dsn=ledger.DSN,
         ttl=options.ttl,
         running_ttl=options.running_ttl,
     )
-    for service, port in (("RabbitMQ", AMQP_PORT), ("PostgreSQL", 5432)):
+    for service, port in (("RabbitMQ", AMQP_PORT), ("NATS", NATS_PORT), ("PostgreSQL", 5432)):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=2).close()
         except OSError as exc:  # noqa: PERF203 (two checks, each with its message)
@@ -414,7 +439,9 @@ async def soak(options: Options) -> int:
     proxies = {
         "locks": Proxy(LOCK_PORT, port=LOCK_PROXY),
         "redis-list": Proxy(LIST_PORT, port=LIST_PROXY),
+        "redis-stream": Proxy(LIST_PORT, port=STREAM_PROXY),
         "rabbitmq": Proxy(AMQP_PORT, port=AMQP_PROXY),
+        "nats": Proxy(NATS_PORT, port=NATS_PROXY),
     }
     conductor = Conductor(
         options,
@@ -504,6 +531,10 @@ async def soak(options: Options) -> int:
                     await _delete_rabbitmq_objects(config)
                 except Exception as exc:  # noqa: BLE001 (cleanup goes on)
                     print(f"could not delete the RabbitMQ queues: {exc}", file=sys.stderr)
+                try:
+                    await _delete_nats_objects(config)
+                except Exception as exc:  # noqa: BLE001 (cleanup goes on)
+                    print(f"could not delete the NATS stream: {exc}", file=sys.stderr)
             if schema_made and not options.keep:
                 ledger.drop(config.pg_dsn, config.schema)
             elif schema_made:
