@@ -387,3 +387,23 @@ async def test_a_bad_exclusive_label_is_refused_by_name(
 def test_a_bad_default_exclusive_is_refused_by_name(make_middleware: MiddlewareFactory) -> None:
     with pytest.raises(ValueError, match="default_exclusive"):
         make_middleware(default_exclusive="yes")
+
+
+@pytest.mark.parametrize("policy", ["started", "expired"])
+async def test_a_run_slot_beside_the_lock_lives_on_its_own_short_lease(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str, policy: str
+) -> None:
+    # A worker that dies while running holds the next run of its key up for
+    # the slot's lease (10 s by default, running_ttl here), not the lock's TTL.
+    broker = await make_broker(broker_class=HoldingBroker, default_ttl=60, running_ttl=4)
+    seen: list[int] = []
+
+    @broker.task(deduplication_until=policy)
+    async def job() -> None:
+        (slot,) = [key async for key in redis_client.scan_iter(match=f"{prefix}#run:*")]
+        seen.append(await redis_client.pttl(slot))
+
+    await job.kiq()
+    await broker.deliver()
+    assert len(seen) == 1
+    assert 0 < seen[0] <= 4000

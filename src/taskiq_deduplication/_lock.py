@@ -285,6 +285,7 @@ class LockStore:
             int(merge_key is not None),
             int(fence_key is not None),
             run.token if run is not None else "",
+            run.ttl_ms if run is not None else 0,
         ]
         reply = await self._pipeline.call(self._claim, keys, args, linger=linger)
         if reply[0] == 0:

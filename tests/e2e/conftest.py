@@ -34,6 +34,7 @@ import redis.asyncio
 from taskiq import AsyncBroker, AsyncTaskiqDecoratedTask
 
 from taskiq_deduplication import DuplicateTaskError
+from taskiq_deduplication._formats import holder_task_id
 from tests.e2e.app import BROKERS, CONFIG_ENV, Config, Tasks, build_broker
 
 REPO = Path(__file__).resolve().parents[2]
@@ -296,7 +297,7 @@ class App:
 
     async def holders(self) -> dict[str, str]:
         """Every deduplication lock of the test: key -> the task_id holding it."""
-        return {key: value.split(" ", 1)[-1] for key, value in (await self.locks()).items()}
+        return {key: holder_task_id(value) or value for key, value in (await self.locks()).items()}
 
     async def lock_of(self, task_id: str) -> str | None:
         """The key of the lock held by ``task_id``, if any."""

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from taskiq_deduplication._formats import holder_task_id
 from tests.e2e.app import FIXED_TASK_ID, SCHEDULED_RUN_SECONDS
 from tests.e2e.conftest import REPO, Launch
 from tests.test_docs_examples import _check_output
@@ -102,7 +103,7 @@ def test_a_refused_tick_of_the_deduplication_scheduler_is_one_info_line(
             time.sleep(0.05)
         log = log_path.read_text()
         (key,) = client.scan_iter(match="reports:dedup:*")
-        holder = str(client.get(key)).split(" ")[1]
+        holder = holder_task_id(str(client.get(key)))
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(scheduler.pid, signal.SIGKILL)

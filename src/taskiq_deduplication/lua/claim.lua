@@ -16,6 +16,7 @@
 -- ARGV[6]  "1" for a task that merges its calls
 -- ARGV[7]  "1" for a lock with a fence: taking it back draws a new one
 -- ARGV[8]  the run token of an exclusive run ("~..."), or "" for a run that is not
+-- ARGV[9]  the TTL of a run slot beside the lock, in ms (its own lease); "0" else
 --
 -- A run slot holds "<run token> <task_id>" while its run goes on, with " +"
 -- after it once a copy of the same task waits for it; "=<...> <task_id>" once
@@ -26,8 +27,8 @@
 --   {0, wait}               the debounce is not over: call again in wait ms
 --   {3, wait, value}        another run of the key (value) goes on: call again
 --                           in at most wait ms (nothing else was touched, but
---                           a waiting copy's own queued lock, and its merged
---                           arguments, were kept alive)
+--                           under "started" a waiting copy's own queued lock,
+--                           and its merged arguments, were kept alive)
 --   {4, 0, value}           this delivery must not run: a run of its task
 --                           succeeded ("=...") or a retry took its lock over
 --   {outcome, fence, args}  the run begins: outcome 1 (the lock was this send's,
@@ -58,7 +59,8 @@ if exclusive then
       if same_task and string.sub(slot, -2) ~= ' +' then
         redis.call('SET', KEYS[4], slot .. ' +', 'KEEPTTL')
       end
-      if KEYS[4] ~= KEYS[1] and current == value then
+      if ARGV[5] == 'release' and current == value then
+        -- "started": a copy that waits is still queued, and keeps its lock.
         redis.call('PEXPIRE', KEYS[1], ttl)
         if merging then
           redis.call('PEXPIRE', KEYS[2], ttl)
@@ -132,6 +134,6 @@ elseif ARGV[5] == 'reassert' then
   end
 end
 if exclusive and KEYS[4] ~= KEYS[1] then
-  redis.call('SET', KEYS[4], held, 'PX', ttl)
+  redis.call('SET', KEYS[4], held, 'PX', ARGV[9])
 end
 return {outcome, fence, args}
