@@ -87,6 +87,7 @@ _COPIED_OPTIONS: Final = (
     "running_ttl",
     "default_until",
     "default_success_ttl",
+    "default_exclusive",
     "metrics",
 )
 _WORKER_START_TIMEOUT: Final = 30.0
