@@ -478,6 +478,13 @@ async def round_trips(bench: Bench) -> Results:  # noqa: PLR0915 (every path, on
             for policy, labels in POLICIES.items()
             if labels
         },
+        # Runs that may overlap (issue 19): what exclusivity costs each policy.
+        **{
+            f"succeeded_{policy}_shared": broker.task(
+                task_name=f"bench_ok_{policy}_shared", deduplication_exclusive=False, **labels
+            )(_noop).kiq
+            for policy, labels in POLICIES.items()
+        },
         "failed": broker.task(task_name="bench_fail")(fail).kiq,
         "retried_once": broker.task(task_name="bench_flaky", retry_on_error=True, max_retries=2)(
             flaky

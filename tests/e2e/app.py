@@ -33,10 +33,12 @@ from taskiq import (
     SimpleRetryMiddleware,
     SmartRetryMiddleware,
     TaskiqDepends,
+    TaskiqEvents,
     TaskiqMessage,
     TaskiqMiddleware,
     TaskiqResult,
     TaskiqScheduler,
+    TaskiqState,
 )
 from taskiq.schedule_sources import LabelScheduleSource
 from taskiq_redis import (
@@ -449,7 +451,12 @@ def _retry_source(config: Config) -> ListRedisScheduleSource:
 
 def _make_broker(config: Config) -> AsyncBroker:
     if config.broker == "redis-list":
-        return ListQueueBroker(config.redis_url, queue_name=f"{config.prefix}:queue")
+        # No read timeout: an idle worker's BRPOP must not die (and lose the
+        # message it pops as it dies) every 5 s; worker_broker wakes the loop so
+        # that a worker still stops at the first SIGTERM (docs/deploying.md).
+        return ListQueueBroker(
+            config.redis_url, queue_name=f"{config.prefix}:queue", socket_timeout=None
+        )
     if config.broker == "redis-stream":
         return RedisStreamBroker(
             config.redis_url,
@@ -487,9 +494,20 @@ def _make_broker(config: Config) -> AsyncBroker:
     )
 
 
+async def _wake_every_second() -> None:
+    while True:  # noqa: ASYNC110 (waking the loop up is the point, there is no event)
+        await asyncio.sleep(1)
+
+
 def worker_broker() -> AsyncBroker:
     """The broker for ``taskiq worker``, configured from the environment."""
     broker, _ = build_broker(Config.from_env())
+
+    @broker.on_event(TaskiqEvents.WORKER_STARTUP)
+    async def stop_at_the_first_signal(state: TaskiqState) -> None:
+        # An idle worker sees SIGTERM only when its event loop wakes up.
+        state.waker = asyncio.create_task(_wake_every_second())
+
     return broker
 
 
