@@ -71,3 +71,12 @@ def retry_middleware(retry_class: type[TaskiqMiddleware]) -> TaskiqMiddleware:
     if retry_class is SmartRetryMiddleware:
         options |= {"default_delay": 0, "use_jitter": False, "use_delay_exponent": False}
     return retry_class(**options)
+
+
+def holds_no_lock(labels: dict[str, Any]) -> bool:
+    """Whether a message went out without a lock: no lock recorded, or one with no owner.
+
+    (An exclusive task's message records its key under no owner token, so that
+    its run still takes its key's run slot.)
+    """
+    return str(labels.get("_deduplication_lock_owner", "- ")).startswith("- ")

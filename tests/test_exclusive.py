@@ -407,3 +407,39 @@ async def test_a_run_slot_beside_the_lock_lives_on_its_own_short_lease(
     await broker.deliver()
     assert len(seen) == 1
     assert 0 < seen[0] <= 4000
+
+
+async def test_a_retry_sent_without_a_lock_still_never_runs_beside_its_key(
+    make_middleware: MiddlewareFactory,
+    make_broker: BrokerFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+) -> None:
+    # Under "started" a retry whose lock a call queued meanwhile holds goes out
+    # without a lock (it is never refused, never lost); its run still takes the
+    # run slot of its key, so it and that call's run take turns.
+    dedup = make_middleware(default_ttl=5)
+    broker = await make_broker(
+        middlewares=[dedup, SimpleRetryMiddleware(default_retry_count=3)],
+        broker_class=HoldingBroker,
+    )
+    runs = Runs()
+
+    @broker.task(deduplication_until="started", deduplication_key="sync", retry_on_error=True)
+    async def sync(n: int) -> None:
+        index = runs.begin()
+        if index == 0:
+            await sync.kiq(2)  # accepted: the first one started
+            runs.end(index)
+            msg = "the first attempt fails"
+            raise RuntimeError(msg)
+        await asyncio.sleep(0.5)
+        runs.end(index)
+
+    await sync.kiq(1)
+    await broker.deliver_one()  # fails; call 2 and the retry of call 1 are queued
+    assert len(broker.queued) == 2
+    await asyncio.wait_for(asyncio.gather(broker.deliver_one(), broker.deliver_one()), 10)
+    assert len(runs.spans) == 3
+    assert runs.overlaps() == 0
+    assert await redis_client.keys(f"{prefix}*") == []

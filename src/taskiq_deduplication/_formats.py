@@ -83,6 +83,10 @@ _DIGEST_MARK: Final = "."
 # token in a run slot; an owner token of a send never starts with either.
 RUN_MARK: Final = "~"
 SUCCEEDED_MARK: Final = "="
+#: The owner token recorded on an exclusive task's message that went out without
+#: a lock (fail-open, a retry whose lock another send took): no lock's value
+#: ever has it, so every owner check fails, while its run takes the run slot.
+NO_OWNER: Final = "-"
 # After a running slot's value while a copy of its task waits for the run.
 WAITED_MARK: Final = " +"
 DEFAULT_UNTIL: Final = "finished"

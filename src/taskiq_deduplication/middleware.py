@@ -34,6 +34,7 @@ from taskiq_deduplication import _tracing as tracing
 from taskiq_deduplication._client import client_from_url
 from taskiq_deduplication._execution import Execution, Executions, NotRun, Resent
 from taskiq_deduplication._formats import (
+    NO_OWNER,
     SUCCEEDED_MARK,
     RecordedLock,
     drop_lock_labels,
@@ -383,7 +384,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             holder = reply if reply is _FAILED_OPEN else reply.holder
             acquired = None if reply is _FAILED_OPEN else reply
         if holder is _FAILED_OPEN:
-            return self._without_lock(message, running)
+            return self._without_lock(message, running, key, send)
         if holder is not None:
             holder_id = holder_task_id(holder)
             if earlier is not None and policy.retry is RetrySend.TAKE_IF_FREE:
@@ -396,7 +397,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                     key,
                 )
                 self._outcome(LockEventKind.OFF, message, key, holder_id)
-                return self._without_lock(message, running)
+                return self._without_lock(message, running, key, send)
             raise self._refusal(message, key, holder, digest=digest, send=send, acquired=acquired)
         if earlier is not None:
             logger.debug(
@@ -503,6 +504,8 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         recorded = read_lock_labels(message.labels, message.task_id)
         if recorded is None:
             return
+        if recorded.token == NO_OWNER:
+            return  # sent without a lock: nothing to extend
         lock = Lock(recorded.key, recorded.token, message.task_id, recorded.ttl * 1000)
         merges = recorded.merge is not None
         if self._sends.pop(lock.token, False):
@@ -922,10 +925,25 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 waited = True
                 self._waits(execution, message, claimed.waiting_for)
             await asyncio.sleep(min(self._poll(execution, run), claimed.wait_ms / 1000))
+        self._begun(execution, recorded, message, run, claimed)
+
+    def _begun(
+        self,
+        execution: Execution,
+        recorded: RecordedLock,
+        message: TaskiqMessage,
+        run: Lock | None,
+        claimed: Claimed,
+    ) -> None:
+        """Take in what the claim found as the run begins: its slot, fence, lock, arguments."""
+        lease = execution.lease
         execution.run = run
         if claimed.fence is not None:
             execution.fence = claimed.fence
-        if run is not None and run.key == lease.key and isinstance(claimed.outcome, str):
+        if recorded.token == NO_OWNER:
+            # Sent without a lock: it owns none (unless the run slot is its lock).
+            execution.owned = run is not None and run.key == lease.key
+        elif run is not None and run.key == lease.key and isinstance(claimed.outcome, str):
             self._took_over(execution, message, claimed.outcome)
         else:
             self._started(execution, message, claimed.outcome)
@@ -1134,12 +1152,25 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
     def _run_of(self, task_id: str) -> Execution | None:
         return self._executions.of_run(task_id)
 
-    def _without_lock(self, message: TaskiqMessage, running: Execution | None) -> TaskiqMessage:
-        """Let ``message`` go out without a lock (fail-open, or a retry that found none)."""
+    def _without_lock(
+        self,
+        message: TaskiqMessage,
+        running: Execution | None,
+        key: str,
+        send: labels.SendOptions,
+    ) -> TaskiqMessage:
+        """Let ``message`` go out without a lock (fail-open, or a retry that found none).
+
+        An exclusive task still records its key, under no owner token: its run
+        takes the run slot of that key as any other run does.
+        """
         if running is not None:
             # The retry holds no lock, so the run ends its own as a failure does.
             running.resent = Resent.WITHOUT_A_LOCK
-        drop_lock_labels(message.labels)
+        if send.exclusive:
+            self._record(message, key, NO_OWNER, send)
+        else:
+            drop_lock_labels(message.labels)
         return message
 
     def _record(
