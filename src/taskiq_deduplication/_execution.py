@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 from taskiq.exceptions import NoResultError
 
+from taskiq_deduplication._formats import NO_OWNER
+
 if TYPE_CHECKING:
     from taskiq import TaskiqMessage, TaskiqResult
 
@@ -76,6 +78,13 @@ class Execution:
     context: Any = field(default=None, repr=False)
     """The token that restores the execution context variable."""
     on_task_done: Any = field(default=None, repr=False)
+
+    @property
+    def has_lock(self) -> bool:
+        """Whether the run has a lock: its send took one, or it took its key's as its run slot."""
+        return self.lock.token != NO_OWNER or (
+            self.run is not None and self.run.key == self.lock.key
+        )
 
     @property
     def holds(self) -> Lock:

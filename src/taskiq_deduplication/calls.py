@@ -156,7 +156,7 @@ class TaskLock:
         """Find the lock of the run ``context`` belongs to; taskiq calls this."""
         self._task_name = context.message.task_name
         self._execution = _execution_of(context)
-        self.locked = self._execution is not None
+        self.locked = self._execution is not None and self._execution.has_lock
 
     @property
     def key(self) -> str:

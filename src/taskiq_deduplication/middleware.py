@@ -20,6 +20,7 @@ import base64
 import contextvars
 import enum
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from redis.asyncio.cluster import RedisCluster
@@ -550,6 +551,8 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             *Executions.counts(message),
         )
         execution.fence = recorded.fence
+        # Sent without a lock: it owns none, unless its run takes it as its run slot.
+        execution.owned = recorded.token != NO_OWNER
         self._executions.begin(execution)
         run = self._run_slot(execution, recorded, state) if recorded.exclusive else None
         if run is not None or recorded.merge is not None or recorded.fence is not None:
@@ -899,6 +902,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         }
         locks = execution.state.locks
         waited = False
+        failing: _Failing | None = None
         while True:
             try:
                 claimed: Claimed = await locks.claim(
@@ -910,9 +914,14 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                     **keys,
                 )
             except REDIS_ERRORS as exc:
-                plain = not merging and recorded.fence is None
-                self._not_begun(execution, message, exc, plain=plain)
-                return
+                if failing is None:
+                    failing = self._failing(execution, recorded, message, run, exc)
+                delay = failing.delay(self._poll(execution, run))
+                if delay is None:
+                    failing.gives_up(execution, message)
+                    return
+                await asyncio.sleep(delay)
+                continue
             if claimed.skipped_for is not None:
                 self._skip(execution, message, claimed.skipped_for)
                 return
@@ -951,22 +960,40 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             latest = self.broker.formatter.loads(base64.b64decode(claimed.arguments))
             message.args, message.kwargs = latest.args, latest.kwargs
 
-    @staticmethod
-    def _not_begun(
-        execution: Execution, message: TaskiqMessage, exc: BaseException, *, plain: bool
-    ) -> None:
-        """Say that a run begins without its claim, because Redis failed.
+    def _failing(
+        self,
+        execution: Execution,
+        recorded: RecordedLock,
+        message: TaskiqMessage,
+        run: Lock | None,
+        exc: BaseException,
+    ) -> _Failing:
+        """Say that a run could not claim its lock as it begins, because Redis failed.
 
-        ``plain``: the run neither merges calls nor has a fence, so the claim
-        stood for its policy's step alone.
+        An exclusive run then waits for Redis, for at most its run slot's lease:
+        another run of its key may go on, and past that lease it would have
+        lapsed in the same outage (unless that run still reaches Redis: a
+        worker cut off from it, the one case a fence tells). With ``fail_open``,
+        and for a run that is not exclusive, it runs at once.
         """
-        if plain and execution.policy.at_start is Step.REASSERT:
-            text = "Could not re-assert lock %r of task %s (%s): %s: %s; " + _NOT_BEGUN
+        waits = 0.0 if run is None or self.fail_open else run.ttl_ms / 1000
+        if (
+            recorded.merge is None
+            and recorded.fence is None
+            and (execution.policy.at_start is Step.REASSERT)
+        ):
+            text = "Could not re-assert lock %r of task %s (%s)"
             args: tuple[object, ...] = (execution.lock.key, message.task_name, message.task_id)
         else:
-            text = "Could not begin the run of task %s (%s) with lock %r: %s: %s; " + _NOT_BEGUN
+            text = "Could not begin the run of task %s (%s) with lock %r"
             args = (message.task_name, message.task_id, execution.lock.key)
-        logger.warning(text, *args, type(exc).__name__, exc)
+        if waits:
+            text += ": %s: %s; it waits for Redis, at most %ds, before it runs"
+            logger.warning(text, *args, type(exc).__name__, exc, waits)
+        else:
+            text += ": %s: %s; " + _NOT_BEGUN
+            logger.warning(text, *args, type(exc).__name__, exc)
+        return _Failing(asyncio.get_running_loop().time() + waits, waited=bool(waits))
 
     def _run_slot(
         self, execution: Execution, recorded: RecordedLock, state: LoopState
@@ -1264,3 +1291,28 @@ def _watch_kick(broker: AsyncBroker, refused: Callable[[BrokerMessage, Exception
             raise
 
     broker.kick = watched_kick  # type: ignore[method-assign]
+
+
+@dataclass(slots=True)
+class _Failing:
+    """A run whose claim failed on a Redis error: until when it tries again."""
+
+    until: float
+    waited: bool
+
+    def delay(self, poll: float) -> float | None:
+        """Seconds to wait before the next try, or ``None`` to run without the claim."""
+        left = self.until - asyncio.get_running_loop().time()
+        return None if left <= 0 else min(poll, left)
+
+    def gives_up(self, execution: Execution, message: TaskiqMessage) -> None:
+        """Say that the run goes on without its claim, after waiting for Redis."""
+        if self.waited:
+            text = "Task %s (%s) runs without its lock %r: Redis did not answer for a lease; "
+            text += _NOT_BEGUN
+            logger.warning(
+                text,
+                message.task_name,
+                message.task_id,
+                execution.lock.key,
+            )

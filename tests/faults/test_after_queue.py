@@ -28,8 +28,14 @@ async def test_redis_lost_right_after_the_send_is_logged_and_the_result_delivere
     async def redis_dies() -> None:  # the broker has the message; Redis goes away
         server.stop()
 
+    # Not exclusive: an exclusive run would wait for Redis, at most a lease,
+    # before it begins (tests/test_exclusive.py).
     broker = await make_recording_broker(
-        f"{server.url}?{FAST}", on_kick=redis_dies, default_ttl=30, heartbeat_interval=0.3
+        f"{server.url}?{FAST}",
+        on_kick=redis_dies,
+        default_ttl=30,
+        heartbeat_interval=0.3,
+        default_exclusive=False,
     )
 
     @broker.task
