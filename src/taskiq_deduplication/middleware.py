@@ -1094,20 +1094,17 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             if passed_on and run.key == execution.lock.key:
                 # The requeued message finds its own lock, for its full TTL.
                 await locks.hand_over(run, execution.lock, linger=linger)
-            elif succeeded:
-                remembered = execution.success_ttl * 1000
+            else:
+                # Only a success remembered (success TTL) keeps the lock; a failure
+                # and a success without one release it (a "finished" lock is its slot).
+                remembered = execution.success_ttl * 1000 if succeeded else 0
                 waited = int(2 * self._poll(execution, run) * 1000) + _WAITED_MARGIN_MS
-                ended = await locks.finish(
-                    run, "succeeded", remembered, waited_ms=waited, linger=linger
-                )
+                how = "succeeded" if succeeded else "failed"
+                ended = await locks.finish(run, how, remembered, waited_ms=waited, linger=linger)
                 if ended and not remembered and run.key == execution.lock.key:
                     self._events.emit(
                         LockEventKind.RELEASED, message.task_name, message.task_id, run.key, None
                     )
-            elif await locks.finish(run, "failed", linger=linger) and run.key == execution.lock.key:
-                self._events.emit(
-                    LockEventKind.RELEASED, message.task_name, message.task_id, run.key, None
-                )
         except REDIS_ERRORS as exc:
             if run.key != execution.lock.key:
                 what = "free the run slot"
