@@ -922,6 +922,9 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                     return
                 await asyncio.sleep(delay)
                 continue
+            # Redis answered: a later outage is measured from its own start, or a
+            # copy that waited through one short outage would run at the next.
+            failing = None
             if claimed.skipped_for is not None:
                 self._skip(execution, message, claimed.skipped_for)
                 return

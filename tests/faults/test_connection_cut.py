@@ -273,3 +273,44 @@ async def test_an_exclusive_run_that_cannot_reach_redis_waits_for_it_before_it_b
         assert began[0] - cut_at >= 2.9
         assert logs.warnings("Redis did not answer for a lease")
         await proxy.restore()
+
+
+async def test_a_copy_that_waits_through_two_short_outages_never_runs_beside_its_run(
+    make_recording_broker: BrokerMaker, proxy: Proxy, logs: LogRecords
+) -> None:
+    # The copy waits for Redis at most a lease per outage, counted from that
+    # outage's start: Redis answering in between ends the first one. (The soak
+    # saw a copy whose wait for Redis began in an earlier outage run at once in
+    # the next, beside its run.)
+    broker = await make_recording_broker(proxy.url(FAST), hold=True, default_ttl=3)
+    spans: list[list[float]] = []
+    release = asyncio.Event()
+
+    @broker.task
+    async def work(x: int) -> int:
+        spans.append([time.monotonic(), 0.0])
+        await release.wait()
+        spans[-1][1] = time.monotonic()
+        return x
+
+    handle = await work.kiq(x=1)
+    (message,) = broker.held
+    broker.deliver_held()
+
+    async def running() -> bool:
+        return bool(spans)
+
+    await wait_until(running, timeout=5)
+    copy = asyncio.ensure_future(broker.receiver.callback(message=message.message))
+    for _ in range(2):  # two outages shorter than the lease, a lease apart
+        await proxy.cut()
+        await asyncio.sleep(0.6)
+        await proxy.restore()
+        await asyncio.sleep(2.6)
+    assert logs.warnings("it waits for Redis, at most 3s, before it runs")
+    assert len(spans) == 1  # the copy still waits
+    release.set()
+    assert (await handle.wait_result(timeout=10)).return_value == 1
+    await asyncio.wait_for(copy, timeout=10)
+    assert len(spans) == 1  # the run succeeded: its copy is not run
+    assert logs.warnings("Redis did not answer for a lease") == []
