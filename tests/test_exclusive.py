@@ -150,6 +150,36 @@ async def test_a_copy_of_a_run_whose_success_is_remembered_does_not_run_again(
     assert refused.value.holder_task_id == sent.task_id
 
 
+async def test_a_success_is_remembered_even_if_its_lock_vanished_during_the_run(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    # A Redis restart (it keeps nothing on disk) empties the keyspace while the
+    # run goes on; the copy the broker delivers after the run's success must
+    # still find that it succeeded. (The soak saw such copies run again.)
+    broker = await make_broker(broker_class=HoldingBroker)
+    bodies: list[int] = []
+
+    @broker.task(deduplication_success_ttl=60)
+    async def charge(order: int) -> str:
+        bodies.append(order)
+        for key in await redis_client.keys(f"{prefix}*"):
+            await redis_client.delete(key)
+        return "charged"
+
+    sent = await charge.kiq(1)
+    (message,) = broker.queued
+    await broker.deliver()
+    await deliver_copy(broker, message)
+    assert bodies == [1]
+    result = await broker.result_backend.get_result(sent.task_id)
+    assert result.return_value == "charged"
+    (key,) = await lock_keys(redis_client, prefix)
+    assert 55_000 < await redis_client.pttl(key) <= 60_000
+    with pytest.raises(DuplicateTaskError) as refused:
+        await charge.kiq(1)  # the idempotency key holds again
+    assert refused.value.holder_task_id == sent.task_id
+
+
 async def test_a_copy_of_a_run_that_failed_runs_after_it_and_never_beside_it(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:

@@ -311,11 +311,13 @@ class LockStore:
             how: ``"succeeded"`` (remember the success ``ms`` milliseconds; 0:
                 free the slot, unless copies of the run wait for it: then keep the
                 success ``waited_ms`` for them) or ``"failed"`` (free the slot).
+                A success to remember is written even where the slot vanished
+                under the run (a Redis restart), unless another run holds it.
             ms: See ``how``.
             waited_ms: See ``how``.
             linger: Seconds the call may wait to share a round trip.
         """
-        args: list[str | int] = [run.token, how, ms, waited_ms]
+        args: list[str | int] = [run.token, how, ms, waited_ms, run.task_id]
         return bool(await self._pipeline.call(self._finish, [run.key], args, linger=linger))
 
     async def hand_over(self, run: Lock, to: Lock, *, linger: float = 0.0) -> bool:

@@ -9,11 +9,21 @@
 -- ARGV[4]  "succeeded": ms to keep the success for the copies that waited on
 --          the run (marked " +"), when it is not remembered;
 --          "handed": the TTL of the value handed to, in ms
+-- ARGV[5]  the run's task_id
 --
--- Returns 1 when the slot was this run's (and was ended), else 0.
+-- Returns 1 when the slot was this run's (and was ended), else 0. A success to
+-- remember is remembered even when the slot had vanished under its run (a Redis
+-- restart, a lease that lapsed in an outage), unless another run holds it now:
+-- a copy of the run delivered later must still find that it succeeded.
 local current = redis.call('GET', KEYS[1])
 local run = ARGV[1]
-if not current or string.sub(current, 1, #run + 1) ~= run .. ' ' then
+if not current then
+  if ARGV[2] == 'succeeded' and ARGV[3] ~= '0' then
+    redis.call('SET', KEYS[1], '=' .. string.sub(run, 2) .. ' ' .. ARGV[5], 'PX', ARGV[3])
+  end
+  return 0
+end
+if string.sub(current, 1, #run + 1) ~= run .. ' ' then
   return 0
 end
 if ARGV[2] == 'handed' then
