@@ -254,3 +254,65 @@ def test_a_killed_copy_of_a_call_that_completed_is_no_lost_call() -> None:
     result = report.analyse(data, [], OPTIONS)
     assert result["never_completed"] == {}
     assert result["overlaps"] == {"redelivered (unexplained)": 1}
+
+
+def test_a_run_beside_one_whose_claim_failed_open_is_a_documented_window() -> None:
+    # "a" could not reach Redis as it began and, with fail_open, ran at once
+    # without its run slot; "b" then found the slot free.
+    fp = "redis-list:started:1"
+    kiqs = [kiq("a", fp, 100.0, broker="redis-list"), kiq("b", fp, 101.0, broker="redis-list")]
+    runs = [
+        run("a", fp, 102.0, 110.0, broker="redis-list"),
+        run("b", fp, 106.0, 107.0, broker="redis-list", pid=101),
+    ]
+    cut = fault("redis-cut", "locks", 101.5, 102.5)
+    assert verdict(kiqs, runs, [cut])["overlaps"] == {report.FAIL_OPEN: 1}
+    assert verdict(kiqs, runs)["overlaps"] == {"unexplained": 1}
+
+
+def test_a_copy_that_waited_through_an_outage_longer_than_its_lease_is_a_lapse() -> None:
+    # The copy waited for Redis a whole lease, from before "a" began, then ran.
+    fp = "nats:started:1"
+    kiqs = [kiq("a", fp, 100.0, broker="nats")]
+    runs = [
+        run("a", fp, 113.0, 120.0, broker="nats", attempt=1),
+        run("a", fp, 114.0, 115.0, broker="nats", pid=101),
+    ]
+    pause = fault("redis-pause", "locks", 101.0, 112.0)  # past the 10 s run slot lease
+    assert verdict(kiqs, runs, [pause])["overlaps"] == {report.LEASE_LAPSED: 1}
+    short = fault("redis-pause", "locks", 101.0, 104.0)
+    assert verdict(kiqs, runs, [short])["overlaps"] == {"redelivered (unexplained)": 1}
+
+
+def test_a_success_lost_in_a_restart_during_its_run_is_a_documented_window() -> None:
+    fp = "nats:remembered:1"
+    runs = [run("a", fp, 100.5, 104.0), run("a", fp, 105.0, 106.0, pid=101)]
+    restart = fault("redis-restart", "locks", 102.0, 102.1)
+    assert verdict([kiq("a", fp, 100.0)], runs, [restart])["ran_again"] == {
+        report.LOST_IN_RESTART: 1
+    }
+    assert verdict([kiq("a", fp, 100.0)], runs)["ran_again"] == {report.REMEMBERED_RAN_AGAIN: 1}
+
+
+def test_a_send_accepted_after_the_first_succeeded_is_not_let_through_by_its_copy() -> None:
+    # "a" succeeded and released its lock; "b" was accepted; a late copy of "a"
+    # ran after that (counted by ran_again, without a success TTL a window).
+    kiqs = [kiq("a", "f", 100.0), kiq("b", "f", 102.0)]
+    runs = [
+        run("a", "f", 100.5, 101.0),
+        run("a", "f", 102.5, 103.5, pid=101),
+        run("b", "f", 104.0, 105.0),
+    ]
+    result = verdict(kiqs, runs)
+    assert result["let_through"] == {}
+    assert result["ran_again"] == {report.SUCCESS_FORGOTTEN: 1}
+    assert result["breaches"] == []
+
+
+def test_a_stream_retry_lost_in_a_restart_of_its_server_is_a_documented_window() -> None:
+    # The stream lives on the list broker's server: its restart fails the retry's send.
+    kiqs = [kiq("a", "f", 100.0, broker="redis-stream")]
+    runs = [run("a", "f", 100.5, 101.0, broker="redis-stream", outcome="failed")]
+    restart = fault("broker-restart", "redis-list", 100.9, 101.1)
+    assert verdict(kiqs, runs, [restart])["never_completed"] == {report.RETRY_REFUSED_IN_FAULT: 1}
+    assert verdict(kiqs, runs)["never_completed"] == {"retry lost": 1}

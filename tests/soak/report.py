@@ -25,6 +25,8 @@ REDIS_FAULTS = frozenset({"redis-restart", "redis-pause", "redis-cut"})
 #: A lock is released by the worker after the task's end is stamped; allow this
 #: long for the release to reach Redis before a refusal counts as stale.
 RELEASE_MARGIN = 2.0
+#: The lease of a run slot beside its lock, without ``running_ttl`` (the middleware's own).
+SLOT_LEASE = 10.0
 
 # Classes of anomalies the documentation admits.
 LOST_IN_RESTART = "locks lost in a Redis restart"
@@ -224,11 +226,17 @@ class Ledger:
 
 
 def lease(led: Ledger, fp: str) -> float:
-    """How long the lock of ``fp`` outlives a worker that can no longer refresh it."""
-    if policy_of(fp) == "expired":
-        return float(EXPIRED_TTL)
+    """How long the run slot of ``fp`` outlives a worker that can no longer refresh it.
+
+    A ``"finished"`` lock is its own slot, on the running lease (the TTL); the
+    other policies keep the slot beside the lock on a lease of its own, at most
+    :data:`SLOT_LEASE` (the middleware's default) and never past the lock's TTL.
+    """
     running = led.options.get("running_ttl")
-    return float(running) if running else led.ttl
+    ttl = float(EXPIRED_TTL) if policy_of(fp) == "expired" else led.ttl
+    if policy_of(fp) in {"started", "expired"}:
+        return min(ttl, float(running or SLOT_LEASE))
+    return float(running) if running else ttl
 
 
 def why_overlap(led: Ledger, fp: str, a: dict[str, Any], b: dict[str, Any]) -> str:
@@ -237,16 +245,20 @@ def why_overlap(led: Ledger, fp: str, a: dict[str, Any], b: dict[str, Any]) -> s
     since = min(a["started"], ka["started"]) if ka else a["started"]
     if led.faults_in({"redis-restart"}, since, b["started"]):
         return LOST_IN_RESTART
+    # A run gives up waiting for Redis after a lease of silence, which may have
+    # begun before ``a`` started (a copy that waited through the outage).
     lapse = lease(led, fp) - 1.0
+    since_outage = min(a["started"], b["started"] - lapse - 2.0)
     if any(
         f["ended"] - f["started"] >= lapse
-        for f in led.faults_in({"redis-pause", "redis-cut"}, a["started"], b["started"])
+        for f in led.faults_in({"redis-pause", "redis-cut"}, since_outage, b["started"])
     ):
         return LEASE_LAPSED
-    if b["broker"] in led.fail_open and led.faults_in(
-        REDIS_FAULTS, b["started"] - led.timeout - 1.0, b["started"] + 1.0
-    ):
-        return FAIL_OPEN  # the run's own claim failed open
+    for one in (b, a):  # a run whose own claim failed open holds no run slot
+        if one["broker"] in led.fail_open and led.faults_in(
+            REDIS_FAULTS, one["started"] - led.timeout - 1.0, one["started"] + 1.0
+        ):
+            return FAIL_OPEN
     if a["task_id"] == b["task_id"]:
         return led.why_redelivered(a, b)
     kb = led.kiq_of.get(b["task_id"])
@@ -300,7 +312,10 @@ def ran_again(led: Ledger) -> list[dict[str, Any]]:
             remembered = policy_of(later["fp"]) == "remembered"
             if not remembered or later["started"] > ok["ended"] + SUCCESS_TTL:
                 why = SUCCESS_FORGOTTEN
-            elif led.faults_in({"redis-restart"}, ok["ended"], later["started"]):
+            elif led.faults_in({"redis-restart"}, runs[0]["started"], later["started"]):
+                # The restart emptied the lock while the call ran or after it:
+                # nothing may remember the success (a run that ends after the
+                # restart writes it again, but a copy may have taken the lock).
                 why = LOST_IN_RESTART
             else:
                 why = REMEMBERED_RAN_AGAIN
@@ -336,6 +351,11 @@ def let_through(led: Ledger) -> list[dict[str, Any]]:
             last = led.runs_of[a["task_id"]][-1]
             if last["ended"] is None and not led.killed(last):
                 end_a = min(end_a, led.end_of_run)
+            ok = next((r for r in led.runs_of[a["task_id"]] if r["outcome"] == "ok"), None)
+            if ok is not None:
+                # Its call ended with its first success, which released the lock:
+                # a copy run after that is counted by ``ran_again``.
+                end_a = min(end_a, ok["ended"])
             for b in kiqs[i + 1 :]:
                 if b["started"] > end_a:
                     break
@@ -422,6 +442,8 @@ def never_ran(led: Ledger) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
                 f"broker-restart:{last['broker']}",
             }
             kinds |= {f"worker-sigkill:{last['broker']}", f"worker-sigterm:{last['broker']}"}
+            if last["broker"] == "redis-stream":  # its stream lives on the list broker's server
+                kinds.add("broker-restart:redis-list")
             why = (
                 RETRY_REFUSED_IN_FAULT
                 if led.faults_in(kinds, when - 2.0, when + 2.0)
