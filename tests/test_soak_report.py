@@ -316,3 +316,28 @@ def test_a_stream_retry_lost_in_a_restart_of_its_server_is_a_documented_window()
     restart = fault("broker-restart", "redis-list", 100.9, 101.1)
     assert verdict(kiqs, runs, [restart])["never_completed"] == {report.RETRY_REFUSED_IN_FAULT: 1}
     assert verdict(kiqs, runs)["never_completed"] == {"retry lost": 1}
+
+
+def test_a_copy_after_a_success_whose_end_could_not_reach_redis_is_a_documented_window() -> None:
+    fp = "nats:remembered:1"
+    runs = [run("a", fp, 100.5, 104.0), run("a", fp, 106.0, 107.0, pid=101)]
+    cut = fault("redis-cut", "locks", 103.5, 105.0)
+    assert verdict([kiq("a", fp, 100.0)], runs, [cut])["ran_again"] == {
+        report.SUCCESS_NOT_WRITTEN: 1
+    }
+
+
+def test_a_send_let_in_while_a_retry_could_not_be_sent_is_a_documented_window() -> None:
+    # "a" failed and its retry's send failed: the lock was released, and the
+    # message came again (the same attempt) after "b" got in.
+    kiqs = [kiq("a", "f", 100.0), kiq("b", "f", 101.5)]
+    runs = [
+        run("a", "f", 100.5, 101.0, outcome="failed"),
+        run("b", "f", 101.6, 102.0),
+        run("a", "f", 103.0, 104.0, pid=101),
+    ]
+    result = verdict(kiqs, runs)
+    assert result["let_through"] == {report.RETRY_SEND_FAILED: 1}
+    assert result["breaches"] == []
+    retried = [*runs[:2], run("a", "f", 103.0, 104.0, pid=101, attempt=1)]
+    assert verdict(kiqs, retried)["let_through"] == {"unexplained": 1}

@@ -47,6 +47,8 @@ HOLDER_LOST = "holder's message was lost"
 LEASE_LAPSED = "lease lapsed under a worker cut off from Redis (fenced)"
 SUCCESS_FORGOTTEN = "copy of a success its lock no longer held (no success TTL)"
 REMEMBERED_RAN_AGAIN = "ran again after a success the lock remembered"
+SUCCESS_NOT_WRITTEN = "success not written: Redis unreachable as its run ended"
+RETRY_SEND_FAILED = "its retry's send failed: lock released, message delivered again"
 NEVER_RAN_AT_LEAST_ONCE = "never ran on an at-least-once broker"
 #: The only windows in which two runs of one lock key may overlap.
 OVERLAP_WINDOWS = frozenset({LOST_IN_RESTART, LONG_PAUSE, LEASE_LAPSED, FAIL_OPEN})
@@ -71,12 +73,14 @@ DOCUMENTED = frozenset(
         HOLDER_LOST,
         LEASE_LAPSED,
         SUCCESS_FORGOTTEN,
+        SUCCESS_NOT_WRITTEN,
+        RETRY_SEND_FAILED,
     }
 )
 #: The documented windows of each invariant.
 WINDOWS: dict[str, frozenset[str]] = {
     "overlaps": OVERLAP_WINDOWS,
-    "ran_again": frozenset({SUCCESS_FORGOTTEN, LOST_IN_RESTART}),
+    "ran_again": frozenset({SUCCESS_FORGOTTEN, LOST_IN_RESTART, SUCCESS_NOT_WRITTEN, LEASE_LAPSED}),
     "let_through": DOCUMENTED,
     "never_ran": DOCUMENTED,
     "never_completed": DOCUMENTED,
@@ -189,6 +193,8 @@ class Ledger:
             return FAIL_OPEN
         if self.retried_without_lock(first) or self.retried_without_lock(second):
             return FAIL_OPEN
+        if kb is not None and self.retry_send_failed(first, kb["started"]):
+            return RETRY_SEND_FAILED
         if any(self.died(r) for r in runs_a) and runs_a[0]["broker"] == "rabbitmq":
             return SIGKILL_REDELIVERED
         if ka is not None:
@@ -209,6 +215,22 @@ class Ledger:
             )
             for earlier, later in itertools.pairwise(runs)
             if later["attempt"] > earlier["attempt"]
+        )
+
+    def retry_send_failed(self, task_id: str, at: float) -> bool:
+        """Whether a failed run of ``task_id`` ended before ``at`` with no retry sent.
+
+        Its next run is a copy of the same attempt, delivered again: the retry's
+        send failed (the middleware then releases the lock it had taken), the
+        error left the message unacknowledged, and the broker delivered it again.
+        """
+        runs = self.runs_of.get(task_id, [])
+        return any(
+            earlier["outcome"] == "failed"
+            and later["attempt"] == earlier["attempt"]
+            and earlier["ended"] is not None
+            and earlier["ended"] <= at <= later["started"]
+            for earlier, later in itertools.pairwise(runs)
         )
 
     def died(self, run: dict[str, Any]) -> bool:
@@ -310,13 +332,25 @@ def ran_again(led: Ledger) -> list[dict[str, Any]]:
             if later is ok or later["started"] < ok["ended"]:
                 continue  # before the success ended: an overlap, counted there
             remembered = policy_of(later["fp"]) == "remembered"
+            kiq = led.kiq_of.get(task_id)
+            since = (kiq["started"] if kiq else runs[0]["started"]) - led.ttl
+            lapse = lease(led, later["fp"]) - 1.0
             if not remembered or later["started"] > ok["ended"] + SUCCESS_TTL:
                 why = SUCCESS_FORGOTTEN
-            elif led.faults_in({"redis-restart"}, runs[0]["started"], later["started"]):
-                # The restart emptied the lock while the call ran or after it:
-                # nothing may remember the success (a run that ends after the
-                # restart writes it again, but a copy may have taken the lock).
+            elif led.faults_in({"redis-restart"}, since, later["started"]):
+                # The restart emptied the lock while the call was queued or ran,
+                # or just before (another send of the call got in): nothing may
+                # remember the success, or another send's success replaced it.
                 why = LOST_IN_RESTART
+            elif led.faults_in(REDIS_FAULTS, ok["ended"] - led.timeout - 0.5, ok["ended"] + 0.5):
+                why = SUCCESS_NOT_WRITTEN
+            elif any(
+                f["ended"] - f["started"] >= lapse
+                for f in led.faults_in(
+                    {"redis-pause", "redis-cut"}, later["started"] - lapse - 2.0, later["started"]
+                )
+            ):
+                why = LEASE_LAPSED  # it waited a whole lease for Redis, then ran
             else:
                 why = REMEMBERED_RAN_AGAIN
             found.append(
