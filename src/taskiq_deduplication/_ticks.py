@@ -3,8 +3,8 @@
 Every scheduler replica that finds a schedule due names the tick the same way,
 from what the schedule is: its task name, positional and keyword arguments,
 labels, ``task_id``, and its cron (with ``cron_offset``), interval or time.
-Never from its ``schedule_id`` alone: ``LabelScheduleSource`` draws one at
-random in each process for a schedule label that names none. Two schedules
+Never from its ``schedule_id``: ``LabelScheduleSource`` draws one at random in
+each process for a schedule label that names none. Two schedules
 equal in all of these send the same call at the same moments; they are one
 schedule here, and each of their ticks goes out once.
 
@@ -40,6 +40,8 @@ from taskiq_deduplication._fingerprint import schedule_fingerprint
 from taskiq_deduplication._formats import tick_key
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from taskiq import ScheduledTask
 
 #: How much shorter than its interval an interval tick's lock lives.
@@ -47,6 +49,9 @@ INTERVAL_MARGIN_MS: Final = 500
 #: How long the lock of a one-off's tick lives: a day.
 ONE_OFF_TTL_MS: Final = 24 * 60 * 60 * 1000
 _MINUTE: Final = 60
+# Labels that do not say what a schedule is (see `_labels`).
+_NOT_WHAT: Final = frozenset({"schedule_id", "types_of_exceptions"})
+_PLAIN: Final = (str, int, float, bool, type(None), list, dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +76,7 @@ def tick_of(prefix: str, task: ScheduledTask, now: datetime) -> Tick:
     fields: dict[str, Any] = {
         "args": task.args,
         "kwargs": task.kwargs,
-        "labels": task.labels,
+        "labels": _labels(task.labels),
         "task_id": task.task_id,
         "cron": task.cron,
         "cron_offset": _offset(task.cron_offset),
@@ -89,6 +94,23 @@ def tick_of(prefix: str, task: ScheduledTask, now: datetime) -> Tick:
         ttl_ms = max(round(interval * 1000) - INTERVAL_MARGIN_MS, INTERVAL_MARGIN_MS)
         return Tick(tick_key(prefix, identity), ttl_ms, f"interval {interval:g}s")
     return Tick(tick_key(prefix, identity), ONE_OFF_TTL_MS, f"time {fields['time']}")
+
+
+def _labels(labels: Mapping[str, Any]) -> dict[str, Any]:
+    """The labels that say what a schedule is, as taskiq sends them.
+
+    Not ``schedule_id``: taskiq's scheduler writes it into the schedule's own
+    labels as it sends a tick, so a schedule would be another one from its
+    second tick on (and a random one in each process for ``LabelScheduleSource``).
+    Not ``types_of_exceptions``: taskiq never sends it (it holds classes).
+    Values that are not plain data count as their ``str()``, which is how
+    taskiq sends them.
+    """
+    return {
+        name: value if isinstance(value, _PLAIN) else str(value)
+        for name, value in labels.items()
+        if name not in _NOT_WHAT
+    }
 
 
 def is_one_off(task: ScheduledTask) -> bool:
