@@ -160,10 +160,10 @@ async def test_one_replica_takes_a_tick_in_one_round_trip_and_its_lock_expires_b
     said = [(r.levelname, r.getMessage()) for r in caplog.records]
     assert [level for level, _ in said] == ["INFO", "INFO"], said
     assert said[0][1].endswith(
-        f"of scheduled task report (schedule daily) sent by replica {replica()}"
+        f"of scheduled task report (schedule daily): sending from replica {replica()}"
     )
     assert said[1][1].endswith(
-        f"of scheduled task report (schedule other) not sent here: replica {replica()} sent it"
+        f"of scheduled task report (schedule other): not sent here, replica {replica()} sent it"
     )
 
 
@@ -246,7 +246,7 @@ async def test_taskiqs_own_scheduler_logs_a_tick_refused_by_the_tasks_lock_in_on
         if r.name != "taskiq.receiver.receiver"
     ]
     assert [level for _, level, _ in said] == ["INFO", "INFO"], said
-    assert said[0][2].endswith(f"sent by replica {replica()}")
+    assert said[0][2].endswith(f"sending from replica {replica()}")
     assert said[1][0] == "taskiq_deduplication.scheduler"
     assert f"not sent (schedule s): task {first.task_id} still holds its lock" in said[1][2]
 
@@ -280,9 +280,9 @@ async def test_a_one_off_refused_by_its_tasks_lock_is_over_and_stays_over(
 
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
     assert len(said) == 3, said
-    assert "sent by replica" in said[0]
+    assert "sending from replica" in said[0]
     assert "still holds its lock" in said[1]
-    assert f"not sent here: replica {replica()} sent it" in said[2]
+    assert f"not sent here, replica {replica()} sent it" in said[2]
 
 
 async def test_deduplication_scheduler_without_tick_locks_sends_every_tick(

@@ -166,7 +166,7 @@ class DeduplicatedScheduleSource(ScheduleSource):
             return None
         if holder is not None:
             logger.info(
-                "Tick (%s) of scheduled task %s (schedule %s) not sent here: replica %s sent it",
+                "Tick (%s) of scheduled task %s (schedule %s): not sent here, replica %s sent it",
                 tick.when,
                 name,
                 schedule,
@@ -174,7 +174,7 @@ class DeduplicatedScheduleSource(ScheduleSource):
             )
             raise ScheduledTaskCancelledError
         logger.info(
-            "Tick (%s) of scheduled task %s (schedule %s) sent by replica %s",
+            "Tick (%s) of scheduled task %s (schedule %s): sending from replica %s",
             tick.when,
             name,
             schedule,

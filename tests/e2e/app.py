@@ -347,7 +347,7 @@ def _register_ticked(broker: AsyncBroker, config: Config, reports: Reports) -> N
     """``e2e.ticked``, a quick task on the schedule ``config.ticks`` names, if any.
 
     Its schedule names no ``schedule_id``: ``LabelScheduleSource`` draws a new
-    one in every scheduler process.
+    one in every scheduler process. Its runs are counted under :data:`TICKED`.
     """
     if not config.ticks:
         return
@@ -362,7 +362,8 @@ def _register_ticked(broker: AsyncBroker, config: Config, reports: Reports) -> N
     async def ticked(what: str, context: Context = TaskiqDepends()) -> None:
         await reports.started(what, TICKED, context)
 
-    broker.task("e2e.ticked", schedule=[schedule])(ticked)
+    # No lock of its own: the tick locks are all that keeps a tick from going out twice.
+    broker.task("e2e.ticked", schedule=[schedule], deduplication=False)(ticked)
 
 
 def scheduled_name(policy: str) -> str:

@@ -21,9 +21,9 @@ from tests.e2e.app import TICKED
 from tests.e2e.conftest import App, Launch, Process
 
 _DUE = "Sending task e2e.ticked "
-_SENT = re.compile(r"of scheduled task e2e\.ticked \(schedule \w+\) sent by replica (\S+)")
+_SENT = re.compile(r"of scheduled task e2e\.ticked \(schedule \w+\): sending from replica (\S+)")
 _NOT_SENT = re.compile(
-    r"of scheduled task e2e\.ticked \(schedule \w+\) not sent here: replica (\S+) sent it"
+    r"of scheduled task e2e\.ticked \(schedule \w+\): not sent here, replica (\S+) sent it"
 )
 
 
