@@ -347,6 +347,7 @@ WORKER_APPS = (
         {},
         queue="reports",
     ),
+    WorkerApp(DOCS / "examples" / "scheduler" / "replicas.py", "refresh_prices", {}, "replicas"),
     WorkerApp(
         DOCS / "examples" / "testing" / "invoices.py",
         "send_invoice",

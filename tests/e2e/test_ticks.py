@@ -114,8 +114,8 @@ async def test_two_schedulers_and_a_restart_send_each_cron_minute_once(launch: L
     app = await launch(broker="redis-list", ticks="cron")
     app.start_worker()
     # The restart below must come within the minute the schedulers start in.
-    if (second := datetime.now(timezone.utc).second) > 40:
-        await asyncio.sleep(60.5 - second)
+    if (into_minute := datetime.now(timezone.utc).second) > 40:
+        await asyncio.sleep(60.5 - into_minute)
     minute = datetime.now(timezone.utc).replace(second=0, microsecond=0)
     # One scheduler of each kind: they share the tick locks.
     first = app.start_scheduler(kind="dedup")

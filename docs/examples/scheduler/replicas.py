@@ -1,7 +1,8 @@
 """A nightly report and a cache refresh, with as many schedulers as you like.
 
 Start ``taskiq scheduler replicas:scheduler`` (or ``replicas:taskiq_scheduler``)
-in this folder on two machines, or twice on one: each tick goes out once.
+in this folder on two machines, or twice on one: each tick goes out once. The
+worker is ``taskiq worker replicas:broker``.
 """
 
 import os
@@ -18,8 +19,11 @@ from taskiq_deduplication import (
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://localhost:6379")
 
-dedup = RedisDeduplicationMiddleware(redis_url=REDIS_URL, key_prefix="reports:dedup")
-broker = ListQueueBroker(REDIS_URL, queue_name="reports").with_middlewares(dedup)
+dedup = RedisDeduplicationMiddleware(redis_url=REDIS_URL, key_prefix="replicas:dedup")
+# socket_timeout=None: an idle worker outlives redis-py 8's 5-second read limit.
+broker = ListQueueBroker(REDIS_URL, queue_name="replicas", socket_timeout=None).with_middlewares(
+    dedup
+)
 
 
 @broker.task(schedule=[{"cron": "0 6 * * *", "cron_offset": "Europe/Paris"}])
