@@ -16,18 +16,20 @@ from typing import Any
 import pytest
 import redis.asyncio
 from taskiq import InMemoryBroker, ScheduledTask, TaskiqScheduler
-from taskiq.exceptions import ScheduledTaskCancelledError
+from taskiq.exceptions import ScheduledTaskCancelledError, SendTaskError
 from taskiq.schedule_sources import LabelScheduleSource
 
 from taskiq_deduplication import (
     DeduplicatedScheduleSource,
     DeduplicationScheduler,
+    DuplicateTaskError,
     RedisDeduplicationMiddleware,
 )
 from taskiq_deduplication._ticks import INTERVAL_MARGIN_MS, ONE_OFF_TTL_MS, tick_of
 from taskiq_deduplication.scheduler import replica
+from tests._brokers import KeptSchedules, RefusingBroker
 from tests._server import Server
-from tests.conftest import BrokerFactory, MiddlewareFactory, dedup_middleware
+from tests.conftest import BrokerFactory, MiddlewareFactory, dedup_middleware, wait_until
 
 NOW = datetime(2026, 12, 2, 6, 0, 10, tzinfo=timezone.utc)
 
@@ -327,3 +329,111 @@ async def test_deduplication_scheduler_without_the_middleware_warns_and_sends(
     assert runs == ["mon"]
     assert [r.levelname for r in caplog.records] == ["WARNING"]
     assert not any(isinstance(m, RedisDeduplicationMiddleware) for m in broker.middlewares)
+
+
+# A send that fails
+
+
+@pytest.mark.parametrize("scheduler_class", [DeduplicationScheduler, TaskiqScheduler])
+async def test_a_tick_whose_send_fails_lets_its_tick_lock_go(
+    make_broker: BrokerFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+    caplog: pytest.LogCaptureFixture,
+    scheduler_class: type[TaskiqScheduler],
+) -> None:
+    broker = await make_broker(broker_class=RefusingBroker)
+
+    @broker.task(task_name="report")
+    async def report(day: str) -> None:
+        pass
+
+    source = DeduplicatedScheduleSource(LabelScheduleSource(broker), dedup_middleware(broker))
+    scheduler = scheduler_class(broker, sources=[source])
+    caplog.set_level(logging.INFO)
+
+    send = asyncio.create_task(scheduler.on_ready(source, schedule(cron="* * * * *")))
+    await asyncio.wait([send])
+    assert isinstance(send.exception(), SendTaskError)
+    del send
+
+    async def released() -> bool:
+        return not [key async for key in redis_client.scan_iter(match=f"{prefix}#tick:*")]
+
+    await wait_until(released)
+    said = [r.getMessage() for r in caplog.records if r.name == "taskiq_deduplication.scheduler"]
+    assert said[-1].startswith("Tick lock"), said
+    assert said[-1].endswith("released: its send failed, another replica or a restart may send it")
+    if scheduler_class is TaskiqScheduler:
+        # Said at once, as asyncio would say it when the task is collected.
+        never = [
+            r
+            for r in caplog.records
+            if r.getMessage().startswith("Task exception was never retrieved")
+        ]
+        assert len(never) == 1
+
+
+async def test_a_schedule_that_cannot_be_fingerprinted_is_sent_without_a_tick_lock(
+    make_middleware: MiddlewareFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    (source, other) = await replicas(make_middleware)
+    caplog.set_level(logging.INFO, logger="taskiq_deduplication")
+    try:
+        await source.pre_send(schedule(interval=5, kwargs={"day": object()}))
+    finally:
+        await shut([source, other])
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert len(said) == 1, said
+    assert said[0][0] == "WARNING"
+    assert said[0][1].startswith("Scheduled task report (schedule ")
+    assert "sent without a tick lock: cannot fingerprint" in said[0][1]
+
+
+def test_a_cron_offset_that_is_no_time_zone_counts_as_utc(prefix: str) -> None:
+    tick = tick_of(prefix, schedule(cron="* * * * *", cron_offset="Nowhere/Atlantis"), NOW)
+    assert tick.when == "cron minute 2026-12-02 06:00"
+
+
+async def test_the_wrapper_is_its_source_for_all_but_the_ticks(make_broker: BrokerFactory) -> None:
+    broker = await make_broker()
+    kept = KeptSchedules()
+    source = DeduplicatedScheduleSource(kept, dedup_middleware(broker))
+    once = schedule(time=NOW, schedule_id="once")
+    await source.startup()
+    await source.add_schedule(once)
+    assert await source.get_schedules() == [once]
+    with pytest.raises(NotImplementedError):  # as KeptSchedules does
+        await source.delete_schedule("once")
+    await source.post_send(once)
+    await source.shutdown()
+    assert kept.schedules == [once]
+
+
+async def test_taskiqs_own_scheduler_ends_a_one_off_refused_by_its_tasks_lock(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = await make_broker()
+    release = asyncio.Event()
+
+    @broker.task(task_name="report", schedule=[{"time": NOW, "kwargs": {"day": "mon"}}])
+    async def report(day: str) -> None:
+        await release.wait()
+
+    labels = LabelScheduleSource(broker)
+    await labels.startup()
+    (once,) = await labels.get_schedules()
+    source = DeduplicatedScheduleSource(labels, dedup_middleware(broker))
+    scheduler = TaskiqScheduler(broker, sources=[source])
+    await report.kiq(day="mon")
+    try:
+        send = asyncio.create_task(scheduler.on_ready(source, once))
+        await asyncio.wait([send])
+        assert isinstance(send.exception(), DuplicateTaskError)
+
+        async def over() -> bool:
+            return await labels.get_schedules() == []
+
+        await wait_until(over)
+    finally:
+        release.set()
