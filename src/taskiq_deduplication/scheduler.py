@@ -80,6 +80,10 @@ class DeduplicatedScheduleSource(ScheduleSource):
     If Redis cannot be reached, the middleware's ``fail_open`` decides: the
     tick is sent without its tick lock (a WARNING), or it is skipped (an ERROR).
 
+    It is made for taskiq's scheduler loop, which sends each tick in an asyncio
+    task of its own: how that task ends (a refusal, a failed send) is handled
+    when it ends.
+
     Example:
         ```python
         dedup = RedisDeduplicationMiddleware(redis_url=REDIS_URL)
