@@ -75,6 +75,8 @@ _VARYING = (
     ),
     (re.compile(r"(?<=-)[0-9a-f]{8}(?=:)"), "<run>"),
     (re.compile(r"(?<=127\.0\.0\.1:)\d+|(?<='127\.0\.0\.1', )\d+"), "<port>"),
+    # The scheduler process that sent a tick: <host>/<pid>.
+    (re.compile(r"(?<=replica )[^\s/]+/\d+"), "<replica>"),
     # What `taskiq dedup` prints of a lock: its owner token and its time left.
     (re.compile(rf'(?<="owner_token": ")(?:{_OWNER_SHAPE})(?=")'), "<token>"),
     (re.compile(rf'(?<="owner_token": ")(?:{_RUN_SHAPE})(?=")'), "<run token>"),
@@ -345,6 +347,7 @@ WORKER_APPS = (
         {},
         queue="reports",
     ),
+    WorkerApp(DOCS / "examples" / "scheduler" / "replicas.py", "refresh_prices", {}, "replicas"),
     WorkerApp(
         DOCS / "examples" / "testing" / "invoices.py",
         "send_invoice",

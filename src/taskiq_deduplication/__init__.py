@@ -21,9 +21,10 @@ if TYPE_CHECKING:
         NoLockError,
     )
     from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
-    from taskiq_deduplication.scheduler import DeduplicationScheduler
+    from taskiq_deduplication.scheduler import DeduplicatedScheduleSource, DeduplicationScheduler
 
 __all__ = [
+    "DeduplicatedScheduleSource",
     "DeduplicationError",
     "DeduplicationScheduler",
     "DuplicateTaskError",
@@ -41,6 +42,7 @@ __all__ = [
 # `taskiq` command loads `taskiq dedup` (an entry point), and its start should
 # not pay for the middleware and the Redis client when it needs neither.
 _MODULES: Final = {
+    "DeduplicatedScheduleSource": "scheduler",
     "DeduplicationError": "exceptions",
     "DeduplicationScheduler": "scheduler",
     "DuplicateTaskError": "exceptions",

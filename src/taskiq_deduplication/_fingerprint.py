@@ -26,7 +26,7 @@ from typing import Any
 import pydantic
 import pydantic_core
 
-__all__ = ["call_fingerprint", "fields_fingerprint"]
+__all__ = ["call_fingerprint", "fields_fingerprint", "schedule_fingerprint"]
 
 _JSON_SCALARS = (str, int, float, bool, type(None))
 # Encoded as their str(), which is what a recent pydantic-core gives too (so the
@@ -76,6 +76,24 @@ def fields_fingerprint(task_name: str, fields: Mapping[str, Any]) -> str:
         TypeError: An argument has a type that cannot be encoded.
     """
     return _digest(task_name, [task_name, dict(fields)])
+
+
+def schedule_fingerprint(task_name: str, schedule: Mapping[str, Any]) -> str:
+    """Fingerprint what a schedule is: its task and the fields that say what and when it sends.
+
+    The encoding has a shape of its own, so it never equals a call's fingerprint.
+
+    Args:
+        task_name: Name of the scheduled task.
+        schedule: The schedule's fields (arguments, labels, cron, interval, time...).
+
+    Returns:
+        The SHA-256 digest, in unpadded base64url (43 characters).
+
+    Raises:
+        TypeError: A field has a type that cannot be encoded.
+    """
+    return _digest(task_name, ["schedule", task_name, dict(schedule)])
 
 
 def _digest(task_name: str, call: list[Any]) -> str:

@@ -27,6 +27,11 @@ task from its own queued lock. ``" +"`` follows once such a copy waits; a run
 that succeeded leaves ``"=<...> <task_id>"`` for as long as its success is
 remembered (or briefly, for the copies that waited).
 
+A scheduler marks each tick of a schedule it sends with a tick lock,
+``<key_prefix>#tick:<identity>``, valued like a lock: ``"<owner token>
+<replica>"``, where the replica is ``<host>/<pid>`` of the scheduler that took
+it (see `_ticks.py`). It belongs to no lock and expires by itself.
+
 Every key beside the locks lives under ``<key_prefix>#``: the two namespaces
 hold every key the library writes (`namespace_patterns`); the merged arguments
 belong to their lock and go when it is released (`belonging_keys`).
@@ -163,6 +168,11 @@ def merge_key(prefix: str, lock: str) -> str | None:
 def fence_key(prefix: str) -> str:
     """The counter that every fence under ``prefix`` is drawn from."""
     return f"{prefix}{SIDE_SEPARATOR}fence"
+
+
+def tick_key(prefix: str, identity: str) -> str:
+    """The tick lock of one tick of a schedule, ``<prefix>#tick:<identity>``."""
+    return f"{prefix}{SIDE_SEPARATOR}tick{KEY_SEPARATOR}{identity}"
 
 
 def run_key(prefix: str, lock: str) -> str | None:

@@ -68,6 +68,8 @@ if TYPE_CHECKING:
     from taskiq import BrokerMessage
     from taskiq.abc.broker import AsyncBroker
 
+    from taskiq_deduplication._lock import LockStore
+
     RedisClient = Redis | RedisCluster
 
 __all__ = ["RedisDeduplicationMiddleware"]
@@ -1250,6 +1252,11 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         interval = self.heartbeat_interval or max(ttl / 3, 1.0)
         # A refresh less often than half the TTL would let the lock lapse.
         return min(interval, ttl / 2)
+
+    async def _lock_store(self) -> LockStore:
+        """The lock store of the running event loop: the scheduler takes its tick locks there."""
+        state = self._states.get() or await self._states.current()
+        return state.locks
 
     def _new_client(self) -> tuple[RedisClient, bool]:
         """The client for a new event loop's state, and whether it is the middleware's own.

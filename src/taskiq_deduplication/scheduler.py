@@ -1,61 +1,366 @@
-"""A ``taskiq scheduler`` whose refused ticks are one line of log, not a traceback.
+"""Schedules under deduplication: each tick sent once, a refused tick one line of log.
 
-taskiq's scheduler sends each due schedule in an asyncio task of its own and
-never looks at how it ended, so a ``DuplicateTaskError`` from that send (a tick
-that comes while the run of an earlier tick is still queued or running) surfaces
-as asyncio's "Task exception was never retrieved" and a traceback.
+taskiq's scheduler is one process: run two for availability and every tick goes
+out twice; restart one within a minute and that minute's cron ticks go out
+again. The task's own lock does not help: a quick task has released it long
+before the other replica sends. So each tick also takes a *tick lock* of its
+own, one Redis key per tick under the middleware's ``key_prefix``, apart from
+the task's lock and its policy: the replica that takes it sends the tick, the
+others skip it (`_ticks.py` says how a tick is named and how long its lock
+lives).
+
+taskiq's scheduler also sends each due schedule in an asyncio task of its own
+and never looks at how it ended, so a ``DuplicateTaskError`` from that send (a
+tick that comes while the run of an earlier one is still queued or running)
+would surface as asyncio's "Task exception was never retrieved" and a
+traceback. Here it is one INFO line.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import inspect
 import logging
-from typing import TYPE_CHECKING
+import os
+import socket
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
 
-from taskiq import TaskiqScheduler
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from taskiq import ScheduleSource, TaskiqScheduler
+from taskiq.exceptions import ScheduledTaskCancelledError
 
 from taskiq_deduplication import _refusals
+from taskiq_deduplication._formats import holder_task_id, new_token
+from taskiq_deduplication._lock import REDIS_ERRORS, Lock
+from taskiq_deduplication._ticks import Tick, is_one_off, tick_of
 from taskiq_deduplication.exceptions import DuplicateTaskError
+from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
 
 if TYPE_CHECKING:
-    from taskiq import ScheduledTask, ScheduleSource
+    from collections.abc import Callable
 
-__all__ = ["DeduplicationScheduler"]
+    from taskiq import AsyncBroker, ScheduledTask
+
+    from taskiq_deduplication._lock import LockStore
+
+__all__ = ["DeduplicatedScheduleSource", "DeduplicationScheduler"]
 
 logger = logging.getLogger(__name__)
 
+# Whether a DeduplicationScheduler sends this tick: it handles a refusal itself.
+_IN_SCHEDULER: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "taskiq_deduplication_in_scheduler", default=False
+)
+# The tick lock this send took, for its scheduler to let go if the send fails.
+_TAKEN: contextvars.ContextVar[Lock | None] = contextvars.ContextVar(
+    "taskiq_deduplication_tick", default=None
+)
+
+
+def replica() -> str:
+    """This scheduler process, as the logs and the tick locks name it: ``<host>/<pid>``."""
+    return f"{socket.gethostname()}/{os.getpid()}"
+
+
+class DeduplicatedScheduleSource(ScheduleSource):
+    """A schedule source whose ticks go out once, however many schedulers read it.
+
+    Wrap each source of a stock ``TaskiqScheduler`` in it (a
+    [DeduplicationScheduler][taskiq_deduplication.DeduplicationScheduler] does
+    this by itself). Before a tick is sent, it takes the tick's own lock in
+    Redis, under the middleware's ``key_prefix``: one round trip. A tick that
+    another scheduler process (a replica, or this one before a restart) has
+    sent already is cancelled with taskiq's ``ScheduledTaskCancelledError``;
+    a tick that the task's own lock refuses is one INFO line, not a traceback.
+    Everything else (the schedules, adding and deleting them) is the wrapped
+    source's.
+
+    If Redis cannot be reached, the middleware's ``fail_open`` decides: the
+    tick is sent without its tick lock (a WARNING), or it is skipped (an ERROR).
+
+    It is made for taskiq's scheduler loop, which sends each tick in an asyncio
+    task of its own: how that task ends (a refusal, a failed send) is handled
+    when it ends.
+
+    Example:
+        ```python
+        dedup = RedisDeduplicationMiddleware(redis_url=REDIS_URL)
+        broker = ListQueueBroker(REDIS_URL).with_middlewares(dedup)
+        scheduler = TaskiqScheduler(
+            broker, sources=[DeduplicatedScheduleSource(LabelScheduleSource(broker), dedup)]
+        )
+        ```
+
+    Args:
+        source: The schedule source to wrap.
+        middleware: The deduplication middleware of the scheduler's broker: its
+            Redis, ``key_prefix`` and ``fail_open`` are the tick locks'.
+    """
+
+    def __init__(self, source: ScheduleSource, middleware: RedisDeduplicationMiddleware) -> None:
+        """Wrap ``source``; see the class."""
+        self.source = source
+        self.middleware = middleware
+        # Sources' post_send of one-offs refused by their task's lock, under way.
+        self._consuming: set[asyncio.Task[None]] = set()
+
+    async def startup(self) -> None:
+        """Start the wrapped source."""
+        await self.source.startup()
+
+    async def shutdown(self) -> None:
+        """Stop the wrapped source."""
+        await self.source.shutdown()
+
+    async def get_schedules(self) -> list[ScheduledTask]:
+        """The wrapped source's schedules."""
+        return await self.source.get_schedules()
+
+    async def add_schedule(self, schedule: ScheduledTask) -> None:
+        """Add ``schedule`` to the wrapped source."""
+        await self.source.add_schedule(schedule)
+
+    async def delete_schedule(self, schedule_id: str) -> None:
+        """Delete schedule ``schedule_id`` from the wrapped source."""
+        await self.source.delete_schedule(schedule_id)
+
+    async def pre_send(self, task: ScheduledTask) -> None:
+        """Let the wrapped source see the tick, then take the tick's lock.
+
+        Raises:
+            ScheduledTaskCancelledError: The wrapped source cancelled the tick,
+                another scheduler process sent it already, or Redis could not
+                be reached and ``fail_open`` is off.
+        """
+        await _maybe_await(self.source.pre_send(task))
+        tick_lock = await self._take(task)
+        if _IN_SCHEDULER.get():
+            _TAKEN.set(tick_lock)
+            return
+        # Sent by taskiq's scheduler, in an asyncio task of its own that nobody
+        # awaits: how the send ends is told when that task ends. The context is
+        # the send's own, so the flag is for this send only.
+        _refusals.HANDLED.set(True)
+        send = asyncio.current_task()
+        if send is not None:
+            send.add_done_callback(self._ended(task, tick_lock))
+
+    async def post_send(self, task: ScheduledTask) -> None:
+        """Let the wrapped source see that the tick was sent."""
+        await _maybe_await(self.source.post_send(task))
+
+    async def _take(self, task: ScheduledTask) -> Lock | None:
+        """Take the lock of ``task``'s tick due now; ``None`` when sent without one."""
+        name, schedule = task.task_name, task.schedule_id
+        try:
+            tick = tick_of(self.middleware.key_prefix, task, datetime.now(timezone.utc))
+        except TypeError as exc:
+            logger.warning(
+                "Scheduled task %s (schedule %s) sent without a tick lock: %s", name, schedule, exc
+            )
+            return None
+        tick_lock = Lock(tick.key, new_token(), replica(), tick.ttl_ms)
+        locks = await self.middleware._lock_store()  # noqa: SLF001 (one package)
+        try:
+            holder = await locks.acquire(tick_lock, tick.ttl_ms)
+        except REDIS_ERRORS as exc:
+            self._unreachable(task, tick, tick_lock, exc, locks)
+            return None
+        if holder is not None:
+            logger.info(
+                "Tick (%s) of scheduled task %s (schedule %s): not sent here, replica %s sent it",
+                tick.when,
+                name,
+                schedule,
+                holder_task_id(holder),
+            )
+            raise ScheduledTaskCancelledError
+        logger.info(
+            "Tick (%s) of scheduled task %s (schedule %s): sending from replica %s",
+            tick.when,
+            name,
+            schedule,
+            tick_lock.task_id,
+        )
+        return tick_lock
+
+    def _unreachable(
+        self,
+        task: ScheduledTask,
+        tick: Tick,
+        tick_lock: Lock,
+        exc: BaseException,
+        locks: LockStore,
+    ) -> None:
+        """Redis failed: send the tick without its lock (``fail_open``), or skip it.
+
+        Raises:
+            ScheduledTaskCancelledError: ``fail_open`` is off.
+        """
+        if isinstance(exc, (RedisTimeoutError, asyncio.TimeoutError)):
+            locks.release_detached(tick_lock)  # it may land in Redis after all: undo it then
+        if self.middleware.fail_open:
+            logger.warning(
+                "Could not take tick lock %r of scheduled task %s (schedule %s): %s: %s; "
+                "sending the tick (%s) without it (fail_open)",
+                tick.key,
+                task.task_name,
+                task.schedule_id,
+                type(exc).__name__,
+                exc,
+                tick.when,
+            )
+            return
+        logger.error(
+            "Could not take tick lock %r of scheduled task %s (schedule %s): %s: %s; "
+            "tick (%s) skipped",
+            tick.key,
+            task.task_name,
+            task.schedule_id,
+            type(exc).__name__,
+            exc,
+            tick.when,
+        )
+        raise ScheduledTaskCancelledError
+
+    def _ended(
+        self, task: ScheduledTask, tick_lock: Lock | None
+    ) -> Callable[[asyncio.Task[Any]], None]:
+        """What to do when the asyncio task that sends ``task``'s tick ends."""
+
+        def ended(send: asyncio.Task[Any]) -> None:
+            if send.cancelled():
+                return
+            error = send.exception()
+            if isinstance(error, DuplicateTaskError):
+                _refused(task, error)
+                if is_one_off(task):
+                    consuming = send.get_loop().create_task(self.post_send(task))
+                    self._consuming.add(consuming)
+                    consuming.add_done_callback(self._consuming.discard)
+            elif error is not None:
+                if tick_lock is not None:
+                    _let_go(self.middleware, tick_lock)
+                # What asyncio would say when the task is collected.
+                never = "Task exception was never retrieved"
+                send.get_loop().call_exception_handler(
+                    {"message": never, "exception": error, "future": send}
+                )
+
+        return ended
+
 
 class DeduplicationScheduler(TaskiqScheduler):
-    """A ``TaskiqScheduler`` that skips a tick whose task is a duplicate, quietly.
+    """A ``TaskiqScheduler`` that sends each tick once and skips a duplicate quietly.
 
-    A tick refused by
+    Each tick takes a tick lock in Redis first (see
+    [DeduplicatedScheduleSource][taskiq_deduplication.DeduplicatedScheduleSource]),
+    so that any number of scheduler processes on the same sources, and a
+    scheduler restarted, send it once. A tick refused by
     [RedisDeduplicationMiddleware][taskiq_deduplication.RedisDeduplicationMiddleware]
-    is logged as one INFO line that names the task, its schedule and the task
-    holding the lock, and the scheduler goes on; every other error of a send
-    is left as taskiq leaves it. Use it where you use ``TaskiqScheduler``:
+    (its task is still queued or running) is logged as one INFO line that names
+    the task, its schedule and the task holding the lock, and the scheduler goes
+    on; every other error of a send is left as taskiq leaves it. Use it where
+    you use ``TaskiqScheduler``:
 
     Example:
         ```python
         scheduler = DeduplicationScheduler(broker, sources=[LabelScheduleSource(broker)])
         ```
+
+    Args:
+        broker: The broker, with a ``RedisDeduplicationMiddleware``.
+        sources: The schedule sources.
+        tick_locks: Whether each tick takes a tick lock (``False``: every
+            scheduler process sends every tick it finds due, as taskiq's does).
     """
 
+    def __init__(
+        self, broker: AsyncBroker, sources: list[ScheduleSource], *, tick_locks: bool = True
+    ) -> None:
+        """Schedule ``sources`` on ``broker``; see the class."""
+        super().__init__(broker, sources)
+        self.tick_locks = tick_locks
+        self._deduplicated: dict[int, tuple[ScheduleSource, ScheduleSource]] = {}
+
+    async def startup(self) -> None:
+        """Start the broker (and its middleware); say so if ticks cannot be locked."""
+        await super().startup()
+        if self.tick_locks and self._middleware() is None:
+            logger.warning(
+                "The broker has no RedisDeduplicationMiddleware: every scheduler "
+                "process sends every tick it finds due"
+            )
+
     async def on_ready(self, source: ScheduleSource, task: ScheduledTask) -> None:
-        """Send the task of a due schedule; a duplicate is logged and skipped.
+        """Send the task of a due schedule, once per tick; a duplicate is logged and skipped.
 
         Args:
             source: The schedule source of the schedule.
             task: The schedule that is due.
         """
         handled = _refusals.HANDLED.set(True)
+        inside = _IN_SCHEDULER.set(True)
+        taken = _TAKEN.set(None)
         try:
-            await super().on_ready(source, task)
+            await super().on_ready(self._with_tick_locks(source), task)
         except DuplicateTaskError as refused:
-            logger.info(
-                "Scheduled task %s not sent (schedule %s): task %s still holds its lock %r",
-                task.task_name,
-                task.schedule_id,
-                refused.holder_task_id,
-                refused.key,
-            )
+            _refused(task, refused)
+            if is_one_off(task):  # its tick is over: no restart sends it again
+                await _maybe_await(source.post_send(task))
+        except Exception:
+            tick_lock = _TAKEN.get()
+            middleware = self._middleware()
+            if tick_lock is not None and middleware is not None:
+                _let_go(middleware, tick_lock)
+            raise
         finally:
+            _TAKEN.reset(taken)
+            _IN_SCHEDULER.reset(inside)
             _refusals.HANDLED.reset(handled)
+
+    def _with_tick_locks(self, source: ScheduleSource) -> ScheduleSource:
+        """``source``, wrapped so that its ticks take tick locks (once per source)."""
+        if not self.tick_locks or isinstance(source, DeduplicatedScheduleSource):
+            return source
+        known = self._deduplicated.get(id(source))
+        if known is not None and known[0] is source:
+            return known[1]
+        middleware = self._middleware()
+        wrapped = source if middleware is None else DeduplicatedScheduleSource(source, middleware)
+        self._deduplicated[id(source)] = (source, wrapped)
+        return wrapped
+
+    def _middleware(self) -> RedisDeduplicationMiddleware | None:
+        return next(
+            (m for m in self.broker.middlewares if isinstance(m, RedisDeduplicationMiddleware)),
+            None,
+        )
+
+
+def _refused(task: ScheduledTask, refused: DuplicateTaskError) -> None:
+    logger.info(
+        "Scheduled task %s not sent (schedule %s): task %s still holds its lock %r",
+        task.task_name,
+        task.schedule_id,
+        refused.holder_task_id,
+        refused.key,
+    )
+
+
+def _let_go(middleware: RedisDeduplicationMiddleware, tick_lock: Lock) -> None:
+    """Release the tick lock of a send that failed: a restart, or another replica, may send it."""
+    state = middleware._states.get()  # noqa: SLF001 (one package)
+    if state is not None:
+        state.locks.release_detached(tick_lock)
+        logger.info(
+            "Tick lock %r released: its send failed, another replica or a restart may send it",
+            tick_lock.key,
+        )
+
+
+async def _maybe_await(result: object) -> None:
+    if inspect.isawaitable(result):
+        await result

@@ -22,6 +22,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 import redis.asyncio
@@ -48,7 +49,12 @@ from taskiq_redis import (
     RedisStreamBroker,
 )
 
-from taskiq_deduplication import RedisDeduplicationMiddleware, TaskLock
+from taskiq_deduplication import (
+    DeduplicatedScheduleSource,
+    DeduplicationScheduler,
+    RedisDeduplicationMiddleware,
+    TaskLock,
+)
 
 CONFIG_ENV = "DEDUP_E2E_CONFIG"
 
@@ -60,6 +66,15 @@ RETRIES = ("", "smart-first", "smart-last", "simple-first", "simple-last", "smar
 puts the retry in the source, and ``taskiq scheduler`` sends it when it is due.
 """
 SCHEDULES = ("", "random-id", "fixed-id")
+TICKS = ("", "interval", "cron", "one-off")
+"""How ``e2e.ticked`` is scheduled (tests/e2e/test_ticks.py), if at all."""
+SCHEDULERS = ("taskiq", "dedup", "wrapped")
+"""What ``taskiq scheduler tests.e2e.app:scheduler`` runs: ``TaskiqScheduler``, a
+``DeduplicationScheduler``, or a ``TaskiqScheduler`` on ``DeduplicatedScheduleSource``."""
+#: The interval of ``e2e.ticked`` with ``ticks="interval"``, in seconds.
+TICK_INTERVAL = 2
+#: The tag of ``e2e.ticked``'s runs and of its counter.
+TICKED = "ticked"
 
 #: How long a gated task waits for its token before it gives up (and fails).
 GATE_TIMEOUT = 45
@@ -117,6 +132,12 @@ class Config:
     ack_wait: float | None = None
     """``ack_wait`` of the NATS consumer, in seconds: an unacknowledged message is
     delivered again this long after its delivery."""
+    ticks: str = ""
+    """How ``e2e.ticked`` is scheduled: one of :data:`TICKS`."""
+    one_off_at: float = 0.0
+    """With ``ticks="one-off"``: the time of the one-off, in seconds since the epoch."""
+    scheduler_kind: str = "taskiq"
+    """What ``taskiq scheduler`` runs: one of :data:`SCHEDULERS`."""
 
     def __post_init__(self) -> None:
         """Refuse a setup the app does not know."""
@@ -128,6 +149,9 @@ class Config:
             raise ValueError(msg)
         if self.schedule not in SCHEDULES:
             msg = f"unknown schedule {self.schedule!r}, expected one of {SCHEDULES}"
+            raise ValueError(msg)
+        if self.ticks not in TICKS or self.scheduler_kind not in SCHEDULERS:
+            msg = f"unknown ticks {self.ticks!r} or scheduler {self.scheduler_kind!r}"
             raise ValueError(msg)
         for policy in self.scheduled_policies.split(","):
             if policy not in POLICY_LABELS:
@@ -247,6 +271,7 @@ class Tasks:
 def register_tasks(broker: AsyncBroker, config: Config) -> Tasks:
     """Register the app's tasks on ``broker``."""
     reports = Reports(config)
+    _register_ticked(broker, config, reports)
 
     async def hold(
         tag: str,
@@ -316,6 +341,29 @@ def register_tasks(broker: AsyncBroker, config: Config) -> Tasks:
         )(charge),
         scheduled=_register_scheduled(broker, config, reports),
     )
+
+
+def _register_ticked(broker: AsyncBroker, config: Config, reports: Reports) -> None:
+    """``e2e.ticked``, a quick task on the schedule ``config.ticks`` names, if any.
+
+    Its schedule names no ``schedule_id``: ``LabelScheduleSource`` draws a new
+    one in every scheduler process. Its runs are counted under :data:`TICKED`.
+    """
+    if not config.ticks:
+        return
+    schedule: dict[str, Any] = {"kwargs": {"what": "report"}}
+    if config.ticks == "interval":
+        schedule["interval"] = TICK_INTERVAL
+    elif config.ticks == "cron":
+        schedule["cron"] = "* * * * *"
+    else:
+        schedule["time"] = datetime.fromtimestamp(config.one_off_at, tz=timezone.utc)
+
+    async def ticked(what: str, context: Context = TaskiqDepends()) -> None:
+        await reports.started(what, TICKED, context)
+
+    # No lock of its own: the tick locks are all that keeps a tick from going out twice.
+    broker.task("e2e.ticked", schedule=[schedule], deduplication=False)(ticked)
 
 
 def scheduled_name(policy: str) -> str:
@@ -518,6 +566,11 @@ def scheduler() -> TaskiqScheduler:
     sources: list[ScheduleSource] = [TaskIdLabelScheduleSource(broker)]
     if config.retry.startswith("smart-source"):
         sources.append(_retry_source(config))
+    if config.scheduler_kind == "dedup":
+        return DeduplicationScheduler(broker, sources)
+    if config.scheduler_kind == "wrapped":
+        (dedup,) = [m for m in broker.middlewares if isinstance(m, RedisDeduplicationMiddleware)]
+        return TaskiqScheduler(broker, [DeduplicatedScheduleSource(s, dedup) for s in sources])
     return TaskiqScheduler(broker, sources)
 
 

@@ -230,10 +230,12 @@ class App:
             "worker", [*argv, "--workers", "2", "--shutdown-timeout", "5", *options], self.env()
         )
 
-    def start_scheduler(self, *options: str) -> Process:
-        """Start ``taskiq scheduler tests.e2e.app:scheduler``."""
+    def start_scheduler(self, *options: str, kind: str | None = None) -> Process:
+        """Start ``taskiq scheduler tests.e2e.app:scheduler``; ``kind`` picks its scheduler."""
         argv = [sys.executable, "-m", "taskiq", "scheduler", "tests.e2e.app:scheduler"]
-        return self.processes.start("scheduler", [*argv, *options], self.env())
+        config = self.config if kind is None else self.config.replace(scheduler_kind=kind)
+        env = {CONFIG_ENV: config.to_json()}
+        return self.processes.start("scheduler", [*argv, *options], env)
 
     def start_client(self, name: str, *args: str) -> Process:
         """Start a client process: ``python -m tests.e2e.client ARGS``."""

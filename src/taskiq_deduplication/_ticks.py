@@ -1,0 +1,148 @@
+"""A tick of a schedule: which tick it is, and how long its tick lock lives.
+
+Every scheduler replica that finds a schedule due names the tick the same way,
+from what the schedule is: its task name, positional and keyword arguments,
+labels, ``task_id``, and its cron (with ``cron_offset``), interval or time.
+Never from its ``schedule_id``: ``LabelScheduleSource`` draws one at random in
+each process for a schedule label that names none. Two schedules
+equal in all of these send the same call at the same moments; they are one
+schedule here, and each of their ticks goes out once.
+
+A schedule with a cron is a cron schedule, else one with an interval is an
+interval schedule, else it is a one-off (``time``): the order in which taskiq's
+scheduler looks at them. How a tick is told apart, and how long its lock lives:
+
+- cron: one tick per cron minute, counted in the schedule's own time (its
+  ``cron_offset``, a time zone or a shift); the lock lives to the end of the
+  next minute, so a scheduler restarted within the minute finds it, and so
+  does a replica whose clock is behind by up to a minute.
+- interval: one lock per schedule, living the interval less half a second.
+  taskiq's scheduler looks at its schedules just after each whole second, so
+  the replica that sent the last tick finds the lock gone at its next tick,
+  while a replica whose tick comes a whole second or more earlier finds it
+  still there: sends are at least the interval less half a second apart,
+  whatever the offset between the replicas' clocks.
+- one-off: one lock per schedule and time, living a day (`ONE_OFF_TTL_MS`): a
+  one-off written in code comes back at every start, and one in a source that
+  deletes what it sent is still in the other replicas' copies of the source
+  until they read it again (every minute by default).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING, Any, Final
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from taskiq_deduplication._fingerprint import schedule_fingerprint
+from taskiq_deduplication._formats import tick_key
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from taskiq import ScheduledTask
+
+#: How much shorter than its interval an interval tick's lock lives.
+INTERVAL_MARGIN_MS: Final = 500
+#: How long the lock of a one-off's tick lives: a day.
+ONE_OFF_TTL_MS: Final = 24 * 60 * 60 * 1000
+_MINUTE: Final = 60
+# Labels that do not say what a schedule is (see `_labels`).
+_NOT_WHAT: Final = frozenset({"schedule_id", "types_of_exceptions"})
+_PLAIN: Final = (str, int, float, bool, type(None), list, dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """One tick of a schedule, as every replica names it."""
+
+    key: str
+    """Its tick lock, ``<prefix>#tick:<identity>``."""
+    ttl_ms: int
+    """How long the tick lock lives once taken."""
+    when: str
+    """The tick in words, for the logs: ``"cron minute 2026-12-02 06:00"``."""
+
+
+def tick_of(prefix: str, task: ScheduledTask, now: datetime) -> Tick:
+    """The tick of ``task`` that is due at ``now``.
+
+    Raises:
+        TypeError: The schedule's arguments or labels cannot be fingerprinted.
+    """
+    interval = _seconds(task.interval)
+    fields: dict[str, Any] = {
+        "args": task.args,
+        "kwargs": task.kwargs,
+        "labels": _labels(task.labels),
+        "task_id": task.task_id,
+        "cron": task.cron,
+        "cron_offset": _offset(task.cron_offset),
+        "interval": interval,
+        "time": None if task.time is None else _utc(task.time).isoformat(),
+    }
+    identity = schedule_fingerprint(task.task_name, fields)
+    if task.cron is not None:
+        own = now.timestamp() + _shift(task.cron_offset, now)
+        minute = math.floor(own / _MINUTE)
+        label = datetime.fromtimestamp(minute * _MINUTE, tz=timezone.utc).strftime("%Y-%m-%d %H:%M")
+        ttl_ms = math.ceil(((minute + 2) * _MINUTE - own) * 1000)
+        return Tick(tick_key(prefix, f"{identity}:{minute}"), ttl_ms, f"cron minute {label}")
+    if interval is not None:
+        ttl_ms = max(round(interval * 1000) - INTERVAL_MARGIN_MS, INTERVAL_MARGIN_MS)
+        return Tick(tick_key(prefix, identity), ttl_ms, f"interval {interval:g}s")
+    return Tick(tick_key(prefix, identity), ONE_OFF_TTL_MS, f"time {fields['time']}")
+
+
+def _labels(labels: Mapping[str, Any]) -> dict[str, Any]:
+    """The labels that say what a schedule is, as taskiq sends them.
+
+    Not ``schedule_id``: taskiq's scheduler writes it into the schedule's own
+    labels as it sends a tick, so a schedule would be another one from its
+    second tick on (and a random one in each process for ``LabelScheduleSource``).
+    Not ``types_of_exceptions``: taskiq never sends it (it holds classes).
+    Values that are not plain data count as their ``str()``, which is how
+    taskiq sends them.
+    """
+    return {
+        name: value if isinstance(value, _PLAIN) else str(value)
+        for name, value in labels.items()
+        if name not in _NOT_WHAT
+    }
+
+
+def is_one_off(task: ScheduledTask) -> bool:
+    """Whether ``task`` is a one-off: sent once, then gone from a source that deletes it."""
+    return task.time is not None and task.cron is None and task.interval is None
+
+
+def _seconds(interval: int | timedelta | None) -> float | None:
+    if isinstance(interval, timedelta):
+        return interval.total_seconds()
+    return None if interval is None else float(interval)
+
+
+def _offset(offset: str | timedelta | None) -> str | float | None:
+    return offset.total_seconds() if isinstance(offset, timedelta) else offset
+
+
+def _utc(time: datetime) -> datetime:
+    # A naive time is UTC, as taskiq's scheduler reads it.
+    if time.tzinfo is None:
+        return time.replace(tzinfo=timezone.utc)
+    return time.astimezone(timezone.utc)
+
+
+def _shift(offset: str | timedelta | None, now: datetime) -> float:
+    """Seconds from UTC to the schedule's own time at ``now``, as taskiq applies it."""
+    if isinstance(offset, timedelta):
+        return offset.total_seconds()
+    if isinstance(offset, str):
+        try:
+            delta = now.astimezone(ZoneInfo(offset)).utcoffset()
+        except (ZoneInfoNotFoundError, ModuleNotFoundError, ValueError):
+            return 0.0  # taskiq's scheduler never finds such a schedule due
+        return 0.0 if delta is None else delta.total_seconds()
+    return 0.0

@@ -1,0 +1,439 @@
+"""Tick locks: every replica names a tick the same way, its lock expires by itself, one round trip.
+
+The real ``taskiq scheduler`` processes are in tests/e2e/test_ticks.py; here the
+sources' hooks are called in process, each "replica" a middleware of its own
+on the same Redis and prefix, as two scheduler processes would have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+import redis.asyncio
+from taskiq import InMemoryBroker, ScheduledTask, TaskiqScheduler
+from taskiq.exceptions import ScheduledTaskCancelledError, SendTaskError
+from taskiq.schedule_sources import LabelScheduleSource
+
+from taskiq_deduplication import (
+    DeduplicatedScheduleSource,
+    DeduplicationScheduler,
+    DuplicateTaskError,
+    RedisDeduplicationMiddleware,
+)
+from taskiq_deduplication._ticks import INTERVAL_MARGIN_MS, ONE_OFF_TTL_MS, tick_of
+from taskiq_deduplication.scheduler import replica
+from tests._brokers import KeptSchedules, RefusingBroker
+from tests._server import Server
+from tests.conftest import BrokerFactory, MiddlewareFactory, dedup_middleware, wait_until
+
+NOW = datetime(2026, 12, 2, 6, 0, 10, tzinfo=timezone.utc)
+
+
+def schedule(**fields: Any) -> ScheduledTask:
+    """A schedule of ``report(day="mon")``, with ``fields`` (cron, interval, time...)."""
+    fields.setdefault("kwargs", {"day": "mon"})
+    return ScheduledTask(task_name="report", labels=fields.pop("labels", {}), args=[], **fields)
+
+
+# Which tick it is
+
+
+def test_a_tick_is_named_by_what_its_schedule_is_not_by_its_schedule_id(prefix: str) -> None:
+    cron = tick_of(prefix, schedule(cron="0 6 * * *", schedule_id="a"), NOW)
+
+    assert cron.key.startswith(f"{prefix}#tick:")
+    # LabelScheduleSource draws a new schedule_id in every process.
+    assert tick_of(prefix, schedule(cron="0 6 * * *", schedule_id="b"), NOW) == cron
+    # taskiq's scheduler writes the schedule_id into the labels as it sends a tick.
+    sent = schedule(
+        cron="0 6 * * *", labels={"schedule_id": "c", "types_of_exceptions": [KeyError]}
+    )
+    assert tick_of(prefix, sent, NOW) == cron
+    assert tick_of(prefix, schedule(cron="0 6 * * *"), NOW + timedelta(seconds=49)).key == cron.key
+    others = [
+        schedule(cron="0 6 * * *", kwargs={"day": "tue"}),
+        schedule(cron="0 6 * * *", labels={"priority": 1}),
+        schedule(cron="0 6 * * *", task_id="fixed"),
+        schedule(cron="0 */6 * * *"),
+        schedule(cron="0 6 * * *", cron_offset="Europe/Paris"),
+        schedule(interval=60),
+    ]
+    assert len({cron.key, *(tick_of(prefix, other, NOW).key for other in others)}) == 7
+    # The next minute is another tick of the same schedule.
+    assert tick_of(prefix, schedule(cron="0 6 * * *"), NOW + timedelta(seconds=50)).key != cron.key
+
+
+def test_a_cron_tick_is_a_minute_of_the_schedules_own_time(prefix: str) -> None:
+    shifted = schedule(cron="* * * * *", cron_offset=timedelta(seconds=30))
+    # 06:00:10 UTC is 06:00:40 in the schedule's time: its minute ends 20 s later.
+    tick = tick_of(prefix, shifted, NOW)
+    assert tick.when == "cron minute 2026-12-02 06:00"
+    assert tick_of(prefix, shifted, NOW + timedelta(seconds=19)).key == tick.key
+    assert tick_of(prefix, shifted, NOW + timedelta(seconds=20)).key != tick.key
+    paris = tick_of(prefix, schedule(cron="0 7 * * *", cron_offset="Europe/Paris"), NOW)
+    assert paris.when == "cron minute 2026-12-02 07:00"
+
+
+def test_each_kind_of_tick_lives_as_long_as_it_says(prefix: str) -> None:
+    # A cron tick: to the end of the next minute.
+    assert tick_of(prefix, schedule(cron="* * * * *"), NOW).ttl_ms == 110_000
+    # An interval: the interval less half a second, however it is written.
+    every = tick_of(prefix, schedule(interval=2), NOW)
+    assert every.ttl_ms == 2000 - INTERVAL_MARGIN_MS
+    assert every.when == "interval 2s"
+    assert tick_of(prefix, schedule(interval=timedelta(seconds=2)), NOW) == every
+    assert tick_of(prefix, schedule(interval=1), NOW).ttl_ms == 500
+    # A one-off: a day, named with its time.
+    once = tick_of(prefix, schedule(time=NOW.replace(tzinfo=None)), NOW)
+    assert once.ttl_ms == ONE_OFF_TTL_MS
+    assert tick_of(prefix, schedule(time=NOW), NOW + timedelta(hours=5)) == once
+    assert tick_of(prefix, schedule(time=NOW + timedelta(seconds=1)), NOW).key != once.key
+
+
+# Replicas on one Redis
+
+
+async def replicas(
+    make_middleware: MiddlewareFactory, **options: Any
+) -> list[DeduplicatedScheduleSource]:
+    """Two "scheduler processes": a source each, with a middleware of its own."""
+    sources = []
+    for _ in range(2):
+        broker = InMemoryBroker()
+        middleware = make_middleware(**options)
+        broker.with_middlewares(middleware)
+        await middleware.startup()
+        sources.append(DeduplicatedScheduleSource(LabelScheduleSource(broker), middleware))
+    return sources
+
+
+async def shut(sources: list[DeduplicatedScheduleSource]) -> None:
+    for source in sources:
+        await source.middleware.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("fields", "lifetime_ms"),
+    [
+        ({"cron": "* * * * *"}, 120_000),
+        ({"interval": 3}, 3000 - INTERVAL_MARGIN_MS),
+        ({"time": NOW}, ONE_OFF_TTL_MS),
+    ],
+    ids=["cron", "interval", "one-off"],
+)
+async def test_one_replica_takes_a_tick_in_one_round_trip_and_its_lock_expires_by_itself(
+    make_middleware: MiddlewareFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+    caplog: pytest.LogCaptureFixture,
+    fields: dict[str, Any],
+    lifetime_ms: int,
+) -> None:
+    first, second = await replicas(make_middleware)
+    tick = schedule(schedule_id="daily", **fields)
+    caplog.set_level(logging.INFO, logger="taskiq_deduplication")
+    try:
+        await redis_client.config_resetstat()
+        await first.pre_send(tick)
+        with pytest.raises(ScheduledTaskCancelledError):
+            await second.pre_send(tick.model_copy(update={"schedule_id": "other"}))
+        stats = await redis_client.info("commandstats")
+        (key,) = [key async for key in redis_client.scan_iter(match=f"{prefix}#tick:*")]
+        pttl = await redis_client.pttl(key)
+    finally:
+        await shut([first, second])
+
+    # One script call per replica, and nothing else.
+    calls = {name: stat["calls"] for name, stat in stats.items()}
+    assert calls["cmdstat_evalsha"] == 2
+    # What else ran was the scripts' own commands, and the test's.
+    assert set(calls) <= {
+        "cmdstat_evalsha",
+        "cmdstat_get",
+        "cmdstat_set",
+        "cmdstat_config|resetstat",
+    }
+    assert 0 < pttl <= lifetime_ms
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in said] == ["INFO", "INFO"], said
+    assert said[0][1].endswith(
+        f"of scheduled task report (schedule daily): sending from replica {replica()}"
+    )
+    assert said[1][1].endswith(
+        f"of scheduled task report (schedule other): not sent here, replica {replica()} sent it"
+    )
+
+
+async def test_an_interval_tick_goes_out_again_once_its_lock_expired(
+    make_middleware: MiddlewareFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    first, second = await replicas(make_middleware)
+    tick = schedule(interval=1)
+    try:
+        await first.pre_send(tick)
+        with pytest.raises(ScheduledTaskCancelledError):
+            await second.pre_send(tick)
+        (key,) = [key async for key in redis_client.scan_iter(match=f"{prefix}#tick:*")]
+        while await redis_client.exists(key):  # noqa: ASYNC110 (Redis expires it; no event to wait on)
+            await asyncio.sleep(0.02)
+        await second.pre_send(tick)
+        assert await redis_client.get(key) is not None
+    finally:
+        await shut([first, second])
+
+
+# Redis out of reach
+
+
+@pytest.mark.parametrize("fail_open", [True, False])
+async def test_a_scheduler_without_redis_follows_fail_open(
+    make_middleware: MiddlewareFactory,
+    server: Server,
+    caplog: pytest.LogCaptureFixture,
+    fail_open: bool,
+) -> None:
+    (source, other) = await replicas(make_middleware, redis_url=server.url, fail_open=fail_open)
+    server.stop()
+    caplog.set_level(logging.INFO, logger="taskiq_deduplication")
+    try:
+        if fail_open:
+            await source.pre_send(schedule(interval=5))
+        else:
+            with pytest.raises(ScheduledTaskCancelledError):
+                await source.pre_send(schedule(interval=5))
+    finally:
+        await shut([source, other])
+
+    said = [r for r in caplog.records if r.name == "taskiq_deduplication.scheduler"]
+    assert [r.levelname for r in said] == ["WARNING" if fail_open else "ERROR"]
+    ending = "sending the tick (interval 5s) without it (fail_open)" if fail_open else "skipped"
+    assert said[0].getMessage().endswith(ending), said[0].getMessage()
+    assert "mon" not in said[0].getMessage()  # never the task's arguments
+
+
+# Refusals by the task's own lock
+
+
+async def test_taskiqs_own_scheduler_logs_a_tick_refused_by_the_tasks_lock_in_one_line(
+    make_broker: BrokerFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    broker = await make_broker()
+    release = asyncio.Event()
+
+    @broker.task(task_name="report")
+    async def report(day: str) -> None:
+        await release.wait()
+
+    source = DeduplicatedScheduleSource(LabelScheduleSource(broker), dedup_middleware(broker))
+    scheduler = TaskiqScheduler(broker, sources=[source])
+    first = await report.kiq(day="mon")
+    caplog.set_level(logging.INFO)
+
+    # As taskiq's scheduler loop sends a tick: in a task of its own that nobody awaits.
+    send = asyncio.create_task(scheduler.on_ready(source, schedule(interval=5, schedule_id="s")))
+    await asyncio.wait([send])
+    del send
+    gc.collect()
+    await asyncio.sleep(0)
+    release.set()
+
+    said = [
+        (r.name, r.levelname, r.getMessage())
+        for r in caplog.records
+        if r.name != "taskiq.receiver.receiver"
+    ]
+    assert [level for _, level, _ in said] == ["INFO", "INFO"], said
+    assert said[0][2].endswith(f"sending from replica {replica()}")
+    assert said[1][0] == "taskiq_deduplication.scheduler"
+    assert f"not sent (schedule s): task {first.task_id} still holds its lock" in said[1][2]
+
+
+async def test_a_one_off_refused_by_its_tasks_lock_is_over_and_stays_over(
+    make_broker: BrokerFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    broker = await make_broker()
+    release = asyncio.Event()
+
+    @broker.task(task_name="report", schedule=[{"time": NOW, "kwargs": {"day": "mon"}}])
+    async def report(day: str) -> None:
+        await release.wait()
+
+    source = LabelScheduleSource(broker)
+    await source.startup()
+    (once,) = await source.get_schedules()
+    scheduler = DeduplicationScheduler(broker, sources=[source])
+    await report.kiq(day="mon")
+    caplog.set_level(logging.INFO, logger="taskiq_deduplication")
+
+    await scheduler.on_ready(source, once)
+    # Gone from its source, as if it had been sent: nothing sends it again here.
+    assert await source.get_schedules() == []
+    # A restarted scheduler finds it in its labels again, and its tick lock taken.
+    restarted = LabelScheduleSource(broker)
+    await restarted.startup()
+    (again,) = await restarted.get_schedules()
+    await scheduler.on_ready(restarted, again)
+    release.set()
+
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert len(said) == 3, said
+    assert "sending from replica" in said[0]
+    assert "still holds its lock" in said[1]
+    assert f"not sent here, replica {replica()} sent it" in said[2]
+
+
+async def test_deduplication_scheduler_without_tick_locks_sends_every_tick(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker()
+    runs: list[str] = []
+
+    @broker.task(task_name="report")
+    async def report(day: str) -> None:
+        runs.append(day)
+
+    tick = schedule(interval=60)
+    for tick_locks in (True, True, False):
+        scheduler = DeduplicationScheduler(
+            broker, sources=[LabelScheduleSource(broker)], tick_locks=tick_locks
+        )
+        await scheduler.on_ready(scheduler.sources[0], tick)
+        await broker.wait_all()
+    assert runs == ["mon", "mon"]
+    assert len([key async for key in redis_client.scan_iter(match=f"{prefix}#tick:*")]) == 1
+
+
+async def test_deduplication_scheduler_without_the_middleware_warns_and_sends(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    broker = InMemoryBroker()
+    scheduler = DeduplicationScheduler(broker, sources=[LabelScheduleSource(broker)])
+    caplog.set_level(logging.INFO, logger="taskiq_deduplication")
+    await scheduler.startup()
+    try:
+        runs: list[str] = []
+
+        @broker.task(task_name="report")
+        async def report(day: str) -> None:
+            runs.append(day)
+
+        await scheduler.on_ready(scheduler.sources[0], schedule(interval=60))
+        await broker.wait_all()
+    finally:
+        await scheduler.shutdown()
+    assert runs == ["mon"]
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert not any(isinstance(m, RedisDeduplicationMiddleware) for m in broker.middlewares)
+
+
+# A send that fails
+
+
+@pytest.mark.parametrize("scheduler_class", [DeduplicationScheduler, TaskiqScheduler])
+async def test_a_tick_whose_send_fails_lets_its_tick_lock_go(
+    make_broker: BrokerFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+    caplog: pytest.LogCaptureFixture,
+    scheduler_class: type[TaskiqScheduler],
+) -> None:
+    broker = await make_broker(broker_class=RefusingBroker)
+
+    @broker.task(task_name="report")
+    async def report(day: str) -> None:
+        pass
+
+    source = DeduplicatedScheduleSource(LabelScheduleSource(broker), dedup_middleware(broker))
+    scheduler = scheduler_class(broker, sources=[source])
+    caplog.set_level(logging.INFO)
+
+    send = asyncio.create_task(scheduler.on_ready(source, schedule(cron="* * * * *")))
+    await asyncio.wait([send])
+    assert isinstance(send.exception(), SendTaskError)
+    del send
+
+    async def released() -> bool:
+        return not [key async for key in redis_client.scan_iter(match=f"{prefix}#tick:*")]
+
+    await wait_until(released)
+    said = [r.getMessage() for r in caplog.records if r.name == "taskiq_deduplication.scheduler"]
+    assert said[-1].startswith("Tick lock"), said
+    assert said[-1].endswith("released: its send failed, another replica or a restart may send it")
+    if scheduler_class is TaskiqScheduler:
+        # Said at once, as asyncio would say it when the task is collected.
+        never = [
+            r
+            for r in caplog.records
+            if r.getMessage().startswith("Task exception was never retrieved")
+        ]
+        assert len(never) == 1
+
+
+async def test_a_schedule_that_cannot_be_fingerprinted_is_sent_without_a_tick_lock(
+    make_middleware: MiddlewareFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    (source, other) = await replicas(make_middleware)
+    caplog.set_level(logging.INFO, logger="taskiq_deduplication")
+    try:
+        await source.pre_send(schedule(interval=5, kwargs={"day": object()}))
+    finally:
+        await shut([source, other])
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert len(said) == 1, said
+    assert said[0][0] == "WARNING"
+    assert said[0][1].startswith("Scheduled task report (schedule ")
+    assert "sent without a tick lock: cannot fingerprint" in said[0][1]
+
+
+def test_a_cron_offset_that_is_no_time_zone_counts_as_utc(prefix: str) -> None:
+    tick = tick_of(prefix, schedule(cron="* * * * *", cron_offset="Nowhere/Atlantis"), NOW)
+    assert tick.when == "cron minute 2026-12-02 06:00"
+
+
+async def test_the_wrapper_is_its_source_for_all_but_the_ticks(make_broker: BrokerFactory) -> None:
+    broker = await make_broker()
+    kept = KeptSchedules()
+    source = DeduplicatedScheduleSource(kept, dedup_middleware(broker))
+    once = schedule(time=NOW, schedule_id="once")
+    await source.startup()
+    await source.add_schedule(once)
+    assert await source.get_schedules() == [once]
+    with pytest.raises(NotImplementedError):  # as KeptSchedules does
+        await source.delete_schedule("once")
+    await source.post_send(once)
+    await source.shutdown()
+    assert kept.schedules == [once]
+
+
+async def test_taskiqs_own_scheduler_ends_a_one_off_refused_by_its_tasks_lock(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = await make_broker()
+    release = asyncio.Event()
+
+    @broker.task(task_name="report", schedule=[{"time": NOW, "kwargs": {"day": "mon"}}])
+    async def report(day: str) -> None:
+        await release.wait()
+
+    labels = LabelScheduleSource(broker)
+    await labels.startup()
+    (once,) = await labels.get_schedules()
+    source = DeduplicatedScheduleSource(labels, dedup_middleware(broker))
+    scheduler = TaskiqScheduler(broker, sources=[source])
+    await report.kiq(day="mon")
+    try:
+        send = asyncio.create_task(scheduler.on_ready(source, once))
+        await asyncio.wait([send])
+        assert isinstance(send.exception(), DuplicateTaskError)
+
+        async def over() -> bool:
+            return await labels.get_schedules() == []
+
+        await wait_until(over)
+    finally:
+        release.set()
