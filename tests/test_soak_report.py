@@ -59,9 +59,12 @@ def verdict(
     runs: list[dict[str, Any]],
     faults: list[dict[str, Any]] | None = None,
     locks: list[dict[str, Any]] | None = None,
+    send_failures: list[dict[str, Any]] | None = None,
+    options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     data = {"kiqs": kiqs, "runs": runs, "faults": faults or [], "procs": [], "rss": [], "notes": []}
-    return report.analyse(data, locks or [], OPTIONS)
+    data["send_failures"] = send_failures or []
+    return report.analyse(data, locks or [], {**OPTIONS, **(options or {})})
 
 
 def two_at_once() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -284,14 +287,63 @@ def test_a_copy_that_waited_through_an_outage_longer_than_its_lease_is_a_lapse()
     assert verdict(kiqs, runs, [short])["overlaps"] == {"redelivered (unexplained)": 1}
 
 
-def test_a_success_lost_in_a_restart_during_its_run_is_a_documented_window() -> None:
+def test_a_restart_during_the_run_explains_a_copy_only_where_another_run_took_the_lock() -> None:
+    # The run's end writes its success even into a lock the restart emptied:
+    # a copy after it is a breach, unless another run of the key began after the
+    # restart (it held the lock as the success ended, or replaced the success).
     fp = "nats:remembered:1"
     runs = [run("a", fp, 100.5, 104.0), run("a", fp, 105.0, 106.0, pid=101)]
     restart = fault("redis-restart", "locks", 102.0, 102.1)
-    assert verdict([kiq("a", fp, 100.0)], runs, [restart])["ran_again"] == {
+    alone = verdict([kiq("a", fp, 100.0)], runs, [restart])
+    assert alone["ran_again"] == {report.REMEMBERED_RAN_AGAIN: 1}
+    took = [*runs, run("a", fp, 102.5, 103.0, pid=102, outcome="failed")]
+    assert verdict([kiq("a", fp, 100.0)], took, [restart])["ran_again"] == {
         report.LOST_IN_RESTART: 1
     }
-    assert verdict([kiq("a", fp, 100.0)], runs)["ran_again"] == {report.REMEMBERED_RAN_AGAIN: 1}
+    # Nor does a restart up to a TTL before the send, with no other run.
+    early = fault("redis-restart", "locks", 90.0, 90.1)
+    assert verdict([kiq("a", fp, 100.0)], runs, [early])["ran_again"] == {
+        report.REMEMBERED_RAN_AGAIN: 1
+    }
+
+
+def test_an_outage_over_before_the_copy_began_does_not_excuse_a_remembered_success() -> None:
+    # Redis was up as the copy claimed: it had to find the success.
+    fp = "nats:remembered:1"
+    runs = [run("a", fp, 117.5, 118.0), run("a", fp, 120.0, 121.0, pid=101)]
+    pause = fault("redis-pause", "locks", 100.0, 116.0)
+    assert verdict([kiq("a", fp, 117.0)], runs, [pause])["ran_again"] == {
+        report.REMEMBERED_RAN_AGAIN: 1
+    }
+    # A copy that began while that outage still went on had waited a lease for it.
+    during = [run("a", fp, 111.0, 112.0), run("a", fp, 115.5, 116.5, pid=101)]
+    assert verdict([kiq("a", fp, 100.0)], during, [pause])["ran_again"] == {report.LEASE_LAPSED: 1}
+
+
+def test_an_outage_over_before_both_runs_began_does_not_excuse_their_overlap() -> None:
+    fp = "nats:expired:1"
+    kiqs = [kiq("a", fp, 105.0, broker="nats"), kiq("b", fp, 106.5, broker="nats")]
+    runs = [
+        run("a", fp, 106.0, 110.0, broker="nats"),
+        run("b", fp, 107.0, 108.0, broker="nats", pid=101),
+    ]
+    pause = fault("redis-pause", "locks", 100.0, 103.5)
+    assert report.LEASE_LAPSED not in verdict(kiqs, runs, [pause])["overlaps"]
+
+
+def test_a_copy_right_after_a_success_whose_end_was_lost_is_a_breach() -> None:
+    # The lost end leaves the run slot to live out its lease: a copy waits for
+    # it and runs that much later, never 2 s after.
+    fp = "nats:remembered:1"
+    runs = [run("a", fp, 100.5, 104.0), run("a", fp, 106.0, 107.0, pid=101)]
+    cut = fault("redis-cut", "locks", 103.5, 105.0)
+    assert verdict([kiq("a", fp, 100.0)], runs, [cut])["ran_again"] == {
+        report.REMEMBERED_RAN_AGAIN: 1
+    }
+    # With a running lease of 3 s the slot lapses soon enough for the window.
+    later = [run("a", fp, 100.5, 104.0), run("a", fp, 106.0, 107.0, pid=101)]
+    short = verdict([kiq("a", fp, 100.0)], later, [cut], options={"running_ttl": 3})
+    assert short["ran_again"] == {report.SUCCESS_NOT_WRITTEN: 1}
 
 
 def test_a_send_accepted_after_the_first_succeeded_is_not_let_through_by_its_copy() -> None:
@@ -318,15 +370,6 @@ def test_a_stream_retry_lost_in_a_restart_of_its_server_is_a_documented_window()
     assert verdict(kiqs, runs)["never_completed"] == {"retry lost": 1}
 
 
-def test_a_copy_after_a_success_whose_end_could_not_reach_redis_is_a_documented_window() -> None:
-    fp = "nats:remembered:1"
-    runs = [run("a", fp, 100.5, 104.0), run("a", fp, 106.0, 107.0, pid=101)]
-    cut = fault("redis-cut", "locks", 103.5, 105.0)
-    assert verdict([kiq("a", fp, 100.0)], runs, [cut])["ran_again"] == {
-        report.SUCCESS_NOT_WRITTEN: 1
-    }
-
-
 def test_a_send_let_in_while_a_retry_could_not_be_sent_is_a_documented_window() -> None:
     # "a" failed and its retry's send failed: the lock was released, and the
     # message came again (the same attempt) after "b" got in.
@@ -336,8 +379,11 @@ def test_a_send_let_in_while_a_retry_could_not_be_sent_is_a_documented_window() 
         run("b", "f", 101.6, 102.0),
         run("a", "f", 103.0, 104.0, pid=101),
     ]
-    result = verdict(kiqs, runs)
+    failed = [{"task_id": "a", "broker": "rabbitmq", "at": 101.05, "error": "SendTaskError"}]
+    result = verdict(kiqs, runs, send_failures=failed)
     assert result["let_through"] == {report.RETRY_SEND_FAILED: 1}
     assert result["breaches"] == []
+    # Without a failed send in the ledger the retry held the lock: a breach.
+    assert verdict(kiqs, runs)["let_through"] == {"unexplained": 1}
     retried = [*runs[:2], run("a", "f", 103.0, 104.0, pid=101, attempt=1)]
-    assert verdict(kiqs, retried)["let_through"] == {"unexplained": 1}
+    assert verdict(kiqs, retried, send_failures=failed)["let_through"] == {"unexplained": 1}

@@ -20,6 +20,7 @@ middleware believe.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
 import json
@@ -221,6 +222,31 @@ class SendTimer(TaskiqMiddleware):
         return message
 
 
+def _record_failed_sends(broker: AsyncBroker, kind: str, ledger: Ledger) -> None:
+    """Write each send the broker refuses in a worker (a retry's) to the ledger.
+
+    taskiq then raises from the retry middleware's ``on_error``: the message is
+    not acknowledged, and the broker delivers it again later. The report needs
+    to know that the retry was never queued.
+    """
+    kick = broker.kick
+
+    async def kick_or_record(message: BrokerMessage) -> None:
+        try:
+            await kick(message)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"[:300]
+            with contextlib.suppress(Exception):  # the ledger must not hide the error
+                await ledger.execute(
+                    "INSERT INTO send_failures (task_id, broker, at, error)"
+                    " VALUES (%s, %s, %s, %s)",
+                    (message.task_id, kind, time.time(), error),
+                )
+            raise
+
+    broker.kick = kick_or_record  # type: ignore[method-assign]
+
+
 @dataclass(frozen=True)
 class App:
     """One broker of the application, as seen by one process."""
@@ -258,6 +284,8 @@ def build(config: SoakConfig, kind: str, *, client: bool = False) -> App:
         middlewares.append(SendTimer())
     broker.with_middlewares(*middlewares)
     ledger = Ledger(config)
+    if not client:
+        _record_failed_sends(broker, kind, ledger)
 
     async def work(fp: str, ms: int, fails: int, context: Context = TaskiqDepends()) -> str:
         message = context.message

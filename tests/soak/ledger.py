@@ -37,6 +37,8 @@ CREATE TABLE procs (pid int NOT NULL, role text NOT NULL, broker text,
 CREATE TABLE rss (pid int NOT NULL, role text NOT NULL, at double precision NOT NULL,
     kb bigint NOT NULL);
 CREATE TABLE notes (name text NOT NULL, value text NOT NULL);
+CREATE TABLE send_failures (task_id text NOT NULL, broker text NOT NULL,
+    at double precision NOT NULL, error text NOT NULL);
 """
 
 

@@ -103,6 +103,9 @@ class Ledger:
         self.procs = data["procs"]
         self.rss = data["rss"]
         self.notes = {row["name"]: row["value"] for row in data["notes"]}
+        self.send_failures: dict[str, list[float]] = defaultdict(list)
+        for row in data.get("send_failures", []):
+            self.send_failures[row["task_id"]].append(row["at"])
         self.end_of_run = max(
             [r["ended"] or r["started"] for r in self.runs] + [k["ended"] for k in self.kiqs] + [0]
         )
@@ -117,8 +120,10 @@ class Ledger:
         self.accepted = {k["task_id"]: k for k in self.kiqs if k["outcome"] == "accepted"}
         self.kiq_of = {k["task_id"]: k for k in self.kiqs}
         self.runs_of: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        self.runs_by_fp: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for run in self.runs:
             self.runs_of[run["task_id"]].append(run)
+            self.runs_by_fp[run["fp"]].append(run)
         for runs in self.runs_of.values():
             runs.sort(key=lambda r: r["started"])
         self.fail_open: set[str] = set(options.get("fail_open", ("redis-list",)))
@@ -220,9 +225,10 @@ class Ledger:
     def retry_send_failed(self, task_id: str, at: float) -> bool:
         """Whether a failed run of ``task_id`` ended before ``at`` with no retry sent.
 
-        Its next run is a copy of the same attempt, delivered again: the retry's
-        send failed (the middleware then releases the lock it had taken), the
-        error left the message unacknowledged, and the broker delivered it again.
+        The worker wrote the failed send (a retry's) to the ledger, and the next
+        run is a copy of the same attempt, delivered again: the middleware
+        released the lock the retry had taken, and the error left the message
+        unacknowledged.
         """
         runs = self.runs_of.get(task_id, [])
         return any(
@@ -230,6 +236,7 @@ class Ledger:
             and later["attempt"] == earlier["attempt"]
             and earlier["ended"] is not None
             and earlier["ended"] <= at <= later["started"]
+            and any(earlier["ended"] - 0.5 <= t <= at for t in self.send_failures[task_id])
             for earlier, later in itertools.pairwise(runs)
         )
 
@@ -261,20 +268,31 @@ def lease(led: Ledger, fp: str) -> float:
     return float(running) if running else ttl
 
 
+def gave_up_waiting(led: Ledger, lapse: float, started: float) -> bool:
+    """Whether a run that began at ``started`` may have waited a lease for Redis.
+
+    An outage at least ``lapse`` long that still went on within a socket
+    timeout of the start: the run's claim failed for a whole lease, and it ran.
+    """
+    return any(
+        f["ended"] - f["started"] >= lapse
+        for f in led.faults_in({"redis-pause", "redis-cut"}, started - led.timeout - 1.0, started)
+    )
+
+
 def why_overlap(led: Ledger, fp: str, a: dict[str, Any], b: dict[str, Any]) -> str:
     """Why run ``b`` of lock key ``fp`` started while run ``a`` still ran."""
     ka = led.kiq_of.get(a["task_id"])
     since = min(a["started"], ka["started"]) if ka else a["started"]
     if led.faults_in({"redis-restart"}, since, b["started"]):
         return LOST_IN_RESTART
-    # A run gives up waiting for Redis after a lease of silence, which may have
-    # begun before ``a`` started (a copy that waited through the outage).
+    # A's lease lapsed in an outage while it ran; or b gave up waiting for Redis
+    # after a lease of silence, the outage still going on as b began.
     lapse = lease(led, fp) - 1.0
-    since_outage = min(a["started"], b["started"] - lapse - 2.0)
     if any(
         f["ended"] - f["started"] >= lapse
-        for f in led.faults_in({"redis-pause", "redis-cut"}, since_outage, b["started"])
-    ):
+        for f in led.faults_in({"redis-pause", "redis-cut"}, a["started"], b["started"])
+    ) or gave_up_waiting(led, lapse, b["started"]):
         return LEASE_LAPSED
     for one in (b, a):  # a run whose own claim failed open holds no run slot
         if one["broker"] in led.fail_open and led.faults_in(
@@ -316,6 +334,34 @@ def overlaps(led: Ledger) -> list[dict[str, Any]]:
     return found
 
 
+def interval(led: Ledger, fp: str) -> float:
+    """The heartbeat's interval for the run slot of ``fp`` in the soak's workers."""
+    return min(max(led.ttl / 3, 1.0), lease(led, fp) / 2)
+
+
+def lost_in_restart(led: Ledger, task_id: str, ok: dict[str, Any], later: dict[str, Any]) -> bool:
+    """Whether a Redis restart explains a copy of ``task_id`` run after its success ``ok``.
+
+    A restart after the success emptied what remembered it. One before it
+    explains the copy only where another run of the key began after the
+    restart (another send let in by the emptied lock, or a copy that took it
+    back): that run held the lock when ``ok`` ended, so ``ok``'s success could
+    not be written, or that run's success replaced it.
+    """
+    first = led.kiq_of.get(task_id)
+    since = (first["started"] if first else ok["started"]) - led.ttl
+    for restart in led.faults_in({"redis-restart"}, since, later["started"]):
+        if restart["started"] >= ok["ended"]:
+            return True
+        if any(
+            run is not ok and run is not later and restart["started"] <= run["started"]
+            for run in led.runs_by_fp[later["fp"]]
+            if run["started"] < later["started"]
+        ):
+            return True
+    return False
+
+
 def ran_again(led: Ledger) -> list[dict[str, Any]]:
     """Runs of a task that started after one of its runs had succeeded, with their class.
 
@@ -332,24 +378,18 @@ def ran_again(led: Ledger) -> list[dict[str, Any]]:
             if later is ok or later["started"] < ok["ended"]:
                 continue  # before the success ended: an overlap, counted there
             remembered = policy_of(later["fp"]) == "remembered"
-            kiq = led.kiq_of.get(task_id)
-            since = (kiq["started"] if kiq else runs[0]["started"]) - led.ttl
             lapse = lease(led, later["fp"]) - 1.0
             if not remembered or later["started"] > ok["ended"] + SUCCESS_TTL:
                 why = SUCCESS_FORGOTTEN
-            elif led.faults_in({"redis-restart"}, since, later["started"]):
-                # The restart emptied the lock while the call was queued or ran,
-                # or just before (another send of the call got in): nothing may
-                # remember the success, or another send's success replaced it.
+            elif lost_in_restart(led, task_id, ok, later):
                 why = LOST_IN_RESTART
-            elif led.faults_in(REDIS_FAULTS, ok["ended"] - led.timeout - 0.5, ok["ended"] + 0.5):
+            elif led.faults_in(
+                REDIS_FAULTS, ok["ended"] - led.timeout - 0.5, ok["ended"] + 0.5
+            ) and later["started"] >= ok["ended"] + lapse - interval(led, later["fp"]):
+                # The end could not write the success: the run slot lives out
+                # its lease (refreshed until the body ended), then a copy runs.
                 why = SUCCESS_NOT_WRITTEN
-            elif any(
-                f["ended"] - f["started"] >= lapse
-                for f in led.faults_in(
-                    {"redis-pause", "redis-cut"}, later["started"] - lapse - 2.0, later["started"]
-                )
-            ):
+            elif gave_up_waiting(led, lapse, later["started"]):
                 why = LEASE_LAPSED  # it waited a whole lease for Redis, then ran
             else:
                 why = REMEMBERED_RAN_AGAIN

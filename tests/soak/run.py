@@ -503,7 +503,7 @@ async def soak(options: Options) -> int:
         conductor.save()
         data = {
             table: ledger.load(config.pg_dsn, config.schema, table)
-            for table in ("runs", "kiqs", "faults", "procs", "rss", "notes")
+            for table in ("runs", "kiqs", "faults", "procs", "rss", "notes", "send_failures")
         }
         result = report.analyse(
             data, locks, {**options_dict(options), "fail_open": list(config.fail_open)}
