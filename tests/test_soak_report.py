@@ -387,3 +387,16 @@ def test_a_send_let_in_while_a_retry_could_not_be_sent_is_a_documented_window() 
     assert verdict(kiqs, runs)["let_through"] == {"unexplained": 1}
     retried = [*runs[:2], run("a", "f", 103.0, 104.0, pid=101, attempt=1)]
     assert verdict(kiqs, retried, send_failures=failed)["let_through"] == {"unexplained": 1}
+
+
+def test_a_retry_whose_send_failed_in_a_redis_fault_is_a_documented_window() -> None:
+    # The retry's kiq raised as Redis failed (its acquire undone): the lock was
+    # free, and the unacknowledged message came again.
+    kiqs = [kiq("a", "f", 100.0), kiq("b", "f", 101.5)]
+    runs = [
+        run("a", "f", 100.5, 101.0, outcome="failed"),
+        run("b", "f", 101.6, 102.0),
+        run("a", "f", 103.0, 104.0, pid=101),
+    ]
+    pause = fault("redis-pause", "locks", 100.9, 101.4)
+    assert verdict(kiqs, runs, [pause])["let_through"] == {report.RETRY_SEND_FAILED: 1}

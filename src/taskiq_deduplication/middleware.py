@@ -1027,9 +1027,12 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             return None
         # The slot outlives no crashed run by more than a short lease, which the
         # heartbeat keeps (without the heartbeat it must last the whole run).
+        # The lease is the run's, not the call's: a short TTL ("expired" windows
+        # of a few seconds) would leave the heartbeat too little room to ride
+        # out a Redis outage of a second or two, and let another run in.
         ttl_ms = lease.ttl_ms
         if self.heartbeat:
-            ttl_ms = min(ttl_ms, (self.running_ttl or _SLOT_LEASE) * 1000)
+            ttl_ms = (self.running_ttl or _SLOT_LEASE) * 1000
         return Lock(key, token, lease.task_id, ttl_ms)
 
     def _poll(self, execution: Execution, run: Lock | None) -> float:

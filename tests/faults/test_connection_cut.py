@@ -314,3 +314,41 @@ async def test_a_copy_that_waits_through_two_short_outages_never_runs_beside_its
     await asyncio.wait_for(copy, timeout=10)
     assert len(spans) == 1  # the run succeeded: its copy is not run
     assert logs.warnings("Redis did not answer for a lease") == []
+
+
+async def test_a_short_expired_window_does_not_shorten_the_run_slot_through_an_outage(
+    make_recording_broker: BrokerMaker, proxy: Proxy
+) -> None:
+    # The run slot beside an "expired" lock lives on the run's lease (10 s), not
+    # on the call's 2 s window: an outage longer than that window lets no copy
+    # run beside the run. (The soak saw a copy run beside its run after a 3 s cut
+    # under a 4 s window.)
+    broker = await make_recording_broker(proxy.url(FAST), hold=True, default_ttl=2)
+    spans: list[list[float]] = []
+    release = asyncio.Event()
+
+    @broker.task(deduplication_until="expired")
+    async def work(x: int) -> int:
+        spans.append([time.monotonic(), 0.0])
+        await release.wait()
+        spans[-1][1] = time.monotonic()
+        return x
+
+    handle = await work.kiq(x=1)
+    (message,) = broker.held
+    broker.deliver_held()
+
+    async def running() -> bool:
+        return bool(spans)
+
+    await wait_until(running, timeout=5)
+    await proxy.cut()
+    copy = asyncio.ensure_future(broker.receiver.callback(message=message.message))
+    await asyncio.sleep(2.5)  # longer than the window and its slot's old lease
+    await proxy.restore()
+    await asyncio.sleep(1.5)
+    assert len(spans) == 1  # the copy still waits
+    release.set()
+    assert (await handle.wait_result(timeout=10)).return_value == 1
+    await asyncio.wait_for(copy, timeout=15)
+    assert len(spans) == 1  # the run succeeded while the copy waited: not run

@@ -225,9 +225,10 @@ class Ledger:
     def retry_send_failed(self, task_id: str, at: float) -> bool:
         """Whether a failed run of ``task_id`` ended before ``at`` with no retry sent.
 
-        The worker wrote the failed send (a retry's) to the ledger, and the next
-        run is a copy of the same attempt, delivered again: the middleware
-        released the lock the retry had taken, and the error left the message
+        The worker wrote the failed send (a retry's) to the ledger, or Redis
+        failed as the retry was sent (its ``kiq`` raised, and the middleware
+        undid the acquire that may have landed), and the next run is a copy of
+        the same attempt, delivered again: the error left the message
         unacknowledged.
         """
         runs = self.runs_of.get(task_id, [])
@@ -236,7 +237,12 @@ class Ledger:
             and later["attempt"] == earlier["attempt"]
             and earlier["ended"] is not None
             and earlier["ended"] <= at <= later["started"]
-            and any(earlier["ended"] - 0.5 <= t <= at for t in self.send_failures[task_id])
+            and (
+                any(earlier["ended"] - 0.5 <= t <= at for t in self.send_failures[task_id])
+                or self.faults_in(
+                    REDIS_FAULTS, earlier["ended"] - 0.5, earlier["ended"] + self.timeout + 0.5
+                )
+            )
             for earlier, later in itertools.pairwise(runs)
         )
 
@@ -258,14 +264,13 @@ def lease(led: Ledger, fp: str) -> float:
     """How long the run slot of ``fp`` outlives a worker that can no longer refresh it.
 
     A ``"finished"`` lock is its own slot, on the running lease (the TTL); the
-    other policies keep the slot beside the lock on a lease of its own, at most
-    :data:`SLOT_LEASE` (the middleware's default) and never past the lock's TTL.
+    other policies keep the slot beside the lock on a lease of its own,
+    :data:`SLOT_LEASE` (the middleware's default) or the running lease.
     """
     running = led.options.get("running_ttl")
-    ttl = float(EXPIRED_TTL) if policy_of(fp) == "expired" else led.ttl
     if policy_of(fp) in {"started", "expired"}:
-        return min(ttl, float(running or SLOT_LEASE))
-    return float(running) if running else ttl
+        return float(running or SLOT_LEASE)
+    return float(running) if running else led.ttl
 
 
 def gave_up_waiting(led: Ledger, lapse: float, started: float) -> bool:
