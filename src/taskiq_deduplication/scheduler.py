@@ -91,12 +91,20 @@ class DeduplicatedScheduleSource(ScheduleSource):
     Everything else (the schedules, adding and deleting them) is the wrapped
     source's.
 
+    What "once" means for each kind of schedule: a cron schedule, once per cron
+    minute; an interval schedule, sends at least the interval less half a
+    second apart (not a whole interval, across replicas whose clocks differ);
+    a one-off, once while its tick lock lives (a day).
+
     If Redis cannot be reached, the middleware's ``fail_open`` decides: the
     tick is sent without its tick lock (a WARNING), or it is skipped (an ERROR).
 
     It is made for taskiq's scheduler loop, which sends each tick in an asyncio
     task of its own: how that task ends (a refusal, a failed send) is handled
-    when it ends.
+    when it ends. Before Python 3.12, ``taskiq scheduler --send-timeout`` sends
+    in a task nested in that one, and a refusal by the task's own lock still
+    ends the outer task with a ``DuplicateTaskError`` that asyncio reports:
+    use a ``DeduplicationScheduler`` there.
 
     Example:
         ```python
@@ -358,7 +366,8 @@ class DeduplicationScheduler(TaskiqScheduler):
     Each tick takes a tick lock in Redis first (see
     [DeduplicatedScheduleSource][taskiq_deduplication.DeduplicatedScheduleSource]),
     so that any number of scheduler processes on the same sources, and a
-    scheduler restarted, send it once. A tick refused by
+    scheduler restarted, send it once (an interval schedule: sends at least the
+    interval less half a second apart). A tick refused by
     [RedisDeduplicationMiddleware][taskiq_deduplication.RedisDeduplicationMiddleware]
     (its task is still queued or running) is logged as one INFO line that names
     the task, its schedule and the task holding the lock, and the scheduler goes
