@@ -452,7 +452,7 @@ class SlowFirstPreSend(LabelScheduleSource):
 
     calls = 0
 
-    async def pre_send(self, task: ScheduledTask) -> None:  # type: ignore[override]
+    async def pre_send(self, task: ScheduledTask) -> None:
         self.calls += 1
         if self.calls == 1:
             await asyncio.sleep(0.8)
