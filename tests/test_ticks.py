@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import sys
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
 import redis.asyncio
 from taskiq import InMemoryBroker, ScheduledTask, TaskiqScheduler
+from taskiq.cli.scheduler import run as scheduler_run
 from taskiq.exceptions import ScheduledTaskCancelledError, SendTaskError
 from taskiq.schedule_sources import LabelScheduleSource
 
@@ -380,14 +382,17 @@ async def test_a_schedule_that_cannot_be_fingerprinted_is_sent_without_a_tick_lo
     (source, other) = await replicas(make_middleware)
     caplog.set_level(logging.INFO, logger="taskiq_deduplication")
     try:
-        await source.pre_send(schedule(interval=5, kwargs={"day": object()}))
+        unlocked = schedule(interval=5, kwargs={"day": object()}, schedule_id="odd")
+        await source.pre_send(unlocked)
+        await source.pre_send(unlocked)
     finally:
         await shut([source, other])
     said = [(r.levelname, r.getMessage()) for r in caplog.records]
-    assert len(said) == 1, said
+    assert len(said) == 1, said  # once per schedule, not at every tick
     assert said[0][0] == "WARNING"
     assert said[0][1].startswith("Scheduled task report (schedule ")
     assert "sent without a tick lock: cannot fingerprint" in said[0][1]
+    assert "deduplication_key" not in said[0][1]  # a label for tasks, not for ticks
 
 
 def test_a_cron_offset_that_is_no_time_zone_counts_as_utc(prefix: str) -> None:
@@ -437,3 +442,261 @@ async def test_taskiqs_own_scheduler_ends_a_one_off_refused_by_its_tasks_lock(
         await wait_until(over)
     finally:
         release.set()
+
+
+# A lone scheduler and its own tick locks
+
+
+class SlowFirstPreSend(LabelScheduleSource):
+    """A source whose first ``pre_send`` is slow (a remote source, a loaded event loop)."""
+
+    calls = 0
+
+    async def pre_send(self, task: ScheduledTask) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            await asyncio.sleep(0.8)
+
+
+async def test_a_lone_scheduler_sends_the_next_interval_tick_after_a_late_tick_lock(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = await make_broker()
+    runs: list[str] = []
+
+    @broker.task(task_name="report")
+    async def report(day: str) -> None:
+        runs.append(day)
+
+    source = SlowFirstPreSend(broker)
+    scheduler = DeduplicationScheduler(broker, sources=[source])
+    tick = schedule(interval=1)
+    loop = asyncio.get_running_loop()
+    due = loop.time()
+    await scheduler.on_ready(source, tick)  # its tick lock reaches Redis 0.8 s late
+    await asyncio.sleep(max(0.0, due + 1.0 - loop.time()))  # the loop's next tick
+    await scheduler.on_ready(source, tick)
+    await broker.wait_all()
+    # One scheduler, two ticks due 1 s apart: both sent, as taskiq sends them.
+    assert runs == ["mon", "mon"]
+
+
+async def test_alike_interval_schedules_in_one_pass_of_the_loop_stay_one_schedule(
+    make_middleware: MiddlewareFactory,
+) -> None:
+    source, other = await replicas(make_middleware)
+    try:
+        await source.pre_send(schedule(interval=60, schedule_id="a"))
+        # Its own lock of a moment ago is not taken over: that is no next tick.
+        with pytest.raises(ScheduledTaskCancelledError):
+            await source.pre_send(schedule(interval=60, schedule_id="b"))
+        with pytest.raises(ScheduledTaskCancelledError):
+            await other.pre_send(schedule(interval=60, schedule_id="c"))
+    finally:
+        await shut([source, other])
+
+
+async def test_replicas_send_an_interval_schedule_at_least_the_interval_less_half_a_second_apart(
+    make_middleware: MiddlewareFactory,
+) -> None:
+    first, second = await replicas(make_middleware)
+    tick = schedule(interval=2)
+    loop = asyncio.get_running_loop()
+    try:
+        sent_at = loop.time()
+        await first.pre_send(tick)
+        # The other replica's ticks, whatever its clock, find it sent until the
+        # lock expires: the interval less half a second after it reached Redis
+        # (not a whole interval).
+        for _ in range(100):  # 5 s at most
+            try:
+                await second.pre_send(tick)
+            except ScheduledTaskCancelledError:  # noqa: PERF203 (a poll, not a hot loop)
+                await asyncio.sleep(0.05)
+            else:
+                break
+        else:
+            pytest.fail("the tick lock never expired")
+        assert loop.time() - sent_at >= (2000 - INTERVAL_MARGIN_MS) / 1000
+    finally:
+        await shut([first, second])
+
+
+# A schedule with both a cron and an interval
+
+
+async def test_a_schedule_with_a_cron_and_an_interval_sends_each_interval_tick(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = await make_broker()
+    runs: list[str] = []
+
+    @broker.task(task_name="report")
+    async def report(day: str) -> None:
+        runs.append(day)
+
+    source = LabelScheduleSource(broker)
+    scheduler = DeduplicationScheduler(broker, sources=[source])
+    # taskiq's loop sends it every second (interval), and at midnight on Jan 1 (cron).
+    tick = schedule(cron="0 0 1 1 *", interval=1)
+    await scheduler.on_ready(source, tick)
+    await asyncio.sleep(1.0)
+    await scheduler.on_ready(source, tick)
+    await broker.wait_all()
+    assert runs == ["mon", "mon"]
+
+
+async def test_a_tick_of_a_schedule_with_a_cron_and_an_interval_is_named_by_its_path(
+    make_middleware: MiddlewareFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    if datetime.now(timezone.utc).second >= 55:  # all four in one minute
+        await asyncio.sleep(6)
+    first, second = await replicas(make_middleware)
+    both = schedule(cron="* * * * *", interval=60)
+    caplog.set_level(logging.INFO, logger="taskiq_deduplication")
+    try:
+        # taskiq's loop: the cron's tick first in the minute, then the interval's.
+        await first.pre_send(both)
+        await first.pre_send(both)
+        with pytest.raises(ScheduledTaskCancelledError):
+            await second.pre_send(both)
+        with pytest.raises(ScheduledTaskCancelledError):
+            await second.pre_send(both)
+    finally:
+        await shut([first, second])
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 4, said
+    assert said[0].startswith("Tick (cron minute ")
+    assert said[0].endswith("sending from replica " + replica())
+    assert said[1].startswith("Tick (interval 60s)")
+    assert said[1].endswith("sending from replica " + replica())
+    assert said[2].startswith("Tick (cron minute ")
+    assert "not sent here" in said[2]
+    assert said[3].startswith("Tick (interval 60s)")
+    assert "not sent here" in said[3]
+
+
+# A tick that went out, a one-off that is over
+
+
+class FailingPostSend(LabelScheduleSource):
+    """A source whose post_send fails (RedisScheduleSource deleting a one-off in a Redis hiccup)."""
+
+    def post_send(self, task: ScheduledTask) -> None:
+        msg = "source unreachable"
+        raise ConnectionError(msg)
+
+
+@pytest.mark.parametrize("scheduler_class", [DeduplicationScheduler, TaskiqScheduler])
+async def test_a_tick_that_was_sent_keeps_its_tick_lock_when_post_send_fails(
+    make_broker: BrokerFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+    scheduler_class: type[TaskiqScheduler],
+) -> None:
+    broker = await make_broker()
+    runs: list[str] = []
+
+    @broker.task(task_name="report")
+    async def report(day: str) -> None:
+        runs.append(day)
+
+    labels = FailingPostSend(broker)
+    source: Any = labels
+    if scheduler_class is TaskiqScheduler:
+        source = DeduplicatedScheduleSource(labels, dedup_middleware(broker))
+    scheduler = scheduler_class(broker, sources=[source])
+    send = asyncio.create_task(scheduler.on_ready(source, schedule(time=NOW)))
+    await asyncio.wait([send])
+    assert isinstance(send.exception(), ConnectionError)
+    del send
+    await broker.wait_all()
+    await asyncio.sleep(0.2)  # a detached release, if any, goes out
+    assert runs == ["mon"]
+    # The one-off is still in its source (its delete failed): a restart, or
+    # another replica, finds its tick lock and does not send it again.
+    assert [key async for key in redis_client.scan_iter(match=f"{prefix}#tick:*")] != []
+
+
+@pytest.mark.parametrize("scheduler_class", [DeduplicationScheduler, TaskiqScheduler])
+async def test_a_one_off_cancelled_by_an_alike_ones_tick_lock_is_over_too(
+    make_broker: BrokerFactory, scheduler_class: type[TaskiqScheduler]
+) -> None:
+    broker = await make_broker()
+    once = {"time": NOW, "kwargs": {"day": "mon"}}
+
+    @broker.task(task_name="report", schedule=[dict(once), dict(once)])
+    async def report(day: str) -> None:
+        pass
+
+    labels = LabelScheduleSource(broker)
+    await labels.startup()
+    first, second = await labels.get_schedules()
+    source: Any = labels
+    if scheduler_class is TaskiqScheduler:
+        source = DeduplicatedScheduleSource(labels, dedup_middleware(broker))
+    scheduler = scheduler_class(broker, sources=[source])
+    await scheduler.on_ready(source, first)
+    await scheduler.on_ready(source, second)  # cancelled: "replica ... sent it"
+    await broker.wait_all()
+    # Gone from its source, as if sent: a restart a day later does not send it.
+    assert await labels.get_schedules() == []
+
+
+# taskiq scheduler --send-timeout
+
+
+async def test_a_refused_tick_under_send_timeout_is_as_documented(
+    make_broker: BrokerFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    broker = await make_broker()
+    release = asyncio.Event()
+
+    @broker.task(task_name="report")
+    async def report(day: str) -> None:
+        await release.wait()
+
+    send_with_timeout = getattr(scheduler_run, "send_with_timeout", None)
+    if send_with_timeout is None:
+        pytest.skip("taskiq before 0.13 has no --send-timeout")
+    source = DeduplicatedScheduleSource(LabelScheduleSource(broker), dedup_middleware(broker))
+    scheduler = TaskiqScheduler(broker, sources=[source])
+    await report.kiq(day="mon")  # the task's own lock is held: the tick is refused
+    caplog.set_level(logging.INFO)
+    # As taskiq's loop sends it with `taskiq scheduler --send-timeout 5`.
+    send = asyncio.create_task(send_with_timeout(scheduler, source, schedule(interval=5), 5))
+    await asyncio.wait([send])
+    del send
+    gc.collect()
+    await asyncio.sleep(0)
+    release.set()
+    refused = [r for r in caplog.records if "still holds its lock" in r.getMessage()]
+    never = [r for r in caplog.records if "never retrieved" in r.getMessage()]
+    assert [r.levelname for r in refused] == ["INFO"]
+    if sys.version_info >= (3, 12):
+        assert never == []
+    else:
+        # Documented (docs/recipes.md): before 3.12 asyncio.wait_for sends in a
+        # task of its own, and the refusal also ends taskiq's outer task.
+        assert len(never) == 1
+
+
+async def test_a_tick_sent_without_its_lock_after_a_timeout_lets_a_late_lock_stand(
+    make_middleware: MiddlewareFactory, server: Server
+) -> None:
+    url = f"{server.url}?socket_timeout=0.3"
+    (source, other) = await replicas(make_middleware, redis_url=url, fail_open=True)
+    tick = schedule(interval=60)
+    try:
+        await source.pre_send(schedule(interval=60, kwargs={}))  # connected
+        server.pause()
+        try:
+            await source.pre_send(tick)  # timed out: sent without its lock (fail_open)
+        finally:
+            server.resume()
+        await asyncio.sleep(0.3)  # the lock lands; an undo, if any, goes out
+        # This replica sent the tick: the lock that landed late holds the other one back.
+        with pytest.raises(ScheduledTaskCancelledError):
+            await other.pre_send(tick)
+    finally:
+        await shut([source, other])

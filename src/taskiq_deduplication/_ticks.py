@@ -10,18 +10,24 @@ schedule here, and each of their ticks goes out once.
 
 A schedule with a cron is a cron schedule, else one with an interval is an
 interval schedule, else it is a one-off (``time``): the order in which taskiq's
-scheduler looks at them. How a tick is told apart, and how long its lock lives:
+scheduler looks at them. A schedule with both a cron and an interval is sent by
+taskiq's scheduler on either path: its cron's tick where the cron is due (once
+per cron minute), its interval's ticks in between. Its tick is named by the
+path that sent it (see `tick_of`'s ``by_cron``). How a tick is told apart, and
+how long its lock lives:
 
 - cron: one tick per cron minute, counted in the schedule's own time (its
   ``cron_offset``, a time zone or a shift); the lock lives to the end of the
   next minute, so a scheduler restarted within the minute finds it, and so
   does a replica whose clock is behind by up to a minute.
-- interval: one lock per schedule, living the interval less half a second.
-  taskiq's scheduler looks at its schedules just after each whole second, so
-  the replica that sent the last tick finds the lock gone at its next tick,
-  while a replica whose tick comes a whole second or more earlier finds it
-  still there: sends are at least the interval less half a second apart,
-  whatever the offset between the replicas' clocks.
+- interval: one lock per schedule, living the interval less half a second
+  from the moment it reaches Redis. Another replica finds it still there up
+  to then: sends by different replicas are at least the interval less half a
+  second apart, whatever the offset between their clocks (not a whole
+  interval: two replicas whose clocks are 0.4 s apart may send 1.6 s apart on
+  a 2 s interval). The replica that holds the lock takes it over at its own
+  next tick (its source remembers the lock it took), so a lock that reached
+  Redis late never holds back the next tick of the replica that sent.
 - one-off: one lock per schedule and time, living a day (`ONE_OFF_TTL_MS`): a
   one-off written in code comes back at every start, and one in a source that
   deletes what it sent is still in the other replicas' copies of the source
@@ -35,6 +41,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Final
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from taskiq.cli.scheduler.run import CronValueError, is_cron_task_now
 
 from taskiq_deduplication._fingerprint import schedule_fingerprint
 from taskiq_deduplication._formats import tick_key
@@ -64,10 +72,25 @@ class Tick:
     """How long the tick lock lives once taken."""
     when: str
     """The tick in words, for the logs: ``"cron minute 2026-12-02 06:00"``."""
+    takes_over_after: float | None = None
+    """For an interval's tick: how many seconds after its own last tick of the
+    schedule a scheduler takes over the lock it took then. Half the interval:
+    longer than between two alike schedules sent in one pass of taskiq's loop
+    (those stay one schedule), shorter than to the loop's next tick."""
 
 
-def tick_of(prefix: str, task: ScheduledTask, now: datetime) -> Tick:
+def tick_of(
+    prefix: str, task: ScheduledTask, now: datetime, *, by_cron: bool | None = None
+) -> Tick:
     """The tick of ``task`` that is due at ``now``.
+
+    Args:
+        prefix: The middleware's ``key_prefix``.
+        task: The schedule.
+        now: When the tick is due.
+        by_cron: Whether the tick is its cron's (``None``: whenever the
+            schedule has a cron); ``False`` for the interval's tick of a
+            schedule that has both.
 
     Raises:
         TypeError: The schedule's arguments or labels cannot be fingerprinted.
@@ -84,7 +107,9 @@ def tick_of(prefix: str, task: ScheduledTask, now: datetime) -> Tick:
         "time": None if task.time is None else _utc(task.time).isoformat(),
     }
     identity = schedule_fingerprint(task.task_name, fields)
-    if task.cron is not None:
+    if by_cron is None:
+        by_cron = task.cron is not None
+    if by_cron and task.cron is not None:
         own = now.timestamp() + _shift(task.cron_offset, now)
         minute = math.floor(own / _MINUTE)
         label = datetime.fromtimestamp(minute * _MINUTE, tz=timezone.utc).strftime("%Y-%m-%d %H:%M")
@@ -92,8 +117,23 @@ def tick_of(prefix: str, task: ScheduledTask, now: datetime) -> Tick:
         return Tick(tick_key(prefix, f"{identity}:{minute}"), ttl_ms, f"cron minute {label}")
     if interval is not None:
         ttl_ms = max(round(interval * 1000) - INTERVAL_MARGIN_MS, INTERVAL_MARGIN_MS)
-        return Tick(tick_key(prefix, identity), ttl_ms, f"interval {interval:g}s")
+        return Tick(tick_key(prefix, identity), ttl_ms, f"interval {interval:g}s", interval / 2)
     return Tick(tick_key(prefix, identity), ONE_OFF_TTL_MS, f"time {fields['time']}")
+
+
+def cron_minute(task: ScheduledTask, now: datetime) -> int | None:
+    """The minute (in the schedule's own time) if ``task``'s cron is due at ``now``, else ``None``.
+
+    Due as taskiq's scheduler finds it (its cron, in its ``cron_offset``);
+    ``None`` too for a schedule without a cron, or one taskiq cannot read.
+    """
+    if task.cron is None:
+        return None
+    try:
+        due = is_cron_task_now(task.cron, now, task.cron_offset)
+    except CronValueError:
+        return None
+    return math.floor((now.timestamp() + _shift(task.cron_offset, now)) / _MINUTE) if due else None
 
 
 def _labels(labels: Mapping[str, Any]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import inspect
 import logging
 import os
 import socket
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +35,7 @@ from taskiq.exceptions import ScheduledTaskCancelledError
 from taskiq_deduplication import _refusals
 from taskiq_deduplication._formats import holder_task_id, new_token
 from taskiq_deduplication._lock import REDIS_ERRORS, Lock
-from taskiq_deduplication._ticks import Tick, is_one_off, tick_of
+from taskiq_deduplication._ticks import Tick, cron_minute, is_one_off, tick_of
 from taskiq_deduplication.exceptions import DuplicateTaskError
 from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
 
@@ -53,8 +54,21 @@ logger = logging.getLogger(__name__)
 _IN_SCHEDULER: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "taskiq_deduplication_in_scheduler", default=False
 )
-# The tick lock this send took, for its scheduler to let go if the send fails.
-_TAKEN: contextvars.ContextVar[Lock | None] = contextvars.ContextVar(
+#: How many schedules a source remembers its last tick lock of, and cron minutes seen.
+_REMEMBERED = 10_000
+
+
+@dataclass(slots=True)
+class _Send:
+    """The tick lock a send took, and whether the tick went out."""
+
+    lock: Lock | None
+    sent: bool = False
+    """Set before the source's ``post_send``: a tick that went out keeps its lock."""
+
+
+# This send's tick lock, for its scheduler to let go if the send fails.
+_TAKEN: contextvars.ContextVar[_Send | None] = contextvars.ContextVar(
     "taskiq_deduplication_tick", default=None
 )
 
@@ -77,12 +91,20 @@ class DeduplicatedScheduleSource(ScheduleSource):
     Everything else (the schedules, adding and deleting them) is the wrapped
     source's.
 
+    What "once" means for each kind of schedule: a cron schedule, once per cron
+    minute; an interval schedule, sends at least the interval less half a
+    second apart (not a whole interval, across replicas whose clocks differ);
+    a one-off, once while its tick lock lives (a day).
+
     If Redis cannot be reached, the middleware's ``fail_open`` decides: the
     tick is sent without its tick lock (a WARNING), or it is skipped (an ERROR).
 
     It is made for taskiq's scheduler loop, which sends each tick in an asyncio
     task of its own: how that task ends (a refusal, a failed send) is handled
-    when it ends.
+    when it ends. Before Python 3.12, ``taskiq scheduler --send-timeout`` sends
+    in a task nested in that one, and a refusal by the task's own lock still
+    ends the outer task with a ``DuplicateTaskError`` that asyncio reports:
+    use a ``DeduplicationScheduler`` there.
 
     Example:
         ```python
@@ -105,6 +127,13 @@ class DeduplicatedScheduleSource(ScheduleSource):
         self.middleware = middleware
         # Sources' post_send of one-offs refused by their task's lock, under way.
         self._consuming: set[asyncio.Task[None]] = set()
+        # Interval tick key -> (value of the lock this source took, loop time of that tick).
+        self._own: dict[str, tuple[str, float]] = {}
+        # Cron tick key -> its minute: the cron ticks of schedules that also
+        # have an interval, seen here (taskiq's loop sends the cron's tick first).
+        self._cron_seen: dict[str, int] = {}
+        # Schedules said to be sent without a tick lock (said once each).
+        self._unlocked: set[tuple[str, str]] = set()
 
     async def startup(self) -> None:
         """Start the wrapped source."""
@@ -134,37 +163,98 @@ class DeduplicatedScheduleSource(ScheduleSource):
                 another scheduler process sent it already, or Redis could not
                 be reached and ``fail_open`` is off.
         """
+        started = asyncio.get_running_loop().time()
         await _maybe_await(self.source.pre_send(task))
-        tick_lock = await self._take(task)
+        tick_lock = await self._take(task, started)
+        send = _Send(tick_lock)
+        _TAKEN.set(send)
         if _IN_SCHEDULER.get():
-            _TAKEN.set(tick_lock)
             return
         # Sent by taskiq's scheduler, in an asyncio task of its own that nobody
         # awaits: how the send ends is told when that task ends. The context is
         # the send's own, so the flag is for this send only.
         _refusals.HANDLED.set(True)
-        send = asyncio.current_task()
-        if send is not None:
-            send.add_done_callback(self._ended(task, tick_lock))
+        current = asyncio.current_task()
+        if current is not None:
+            current.add_done_callback(self._ended(task, send))
 
     async def post_send(self, task: ScheduledTask) -> None:
-        """Let the wrapped source see that the tick was sent."""
+        """Let the wrapped source see that the tick was sent.
+
+        The tick went out: it keeps its tick lock even if the wrapped source's
+        ``post_send`` fails (a restart or another replica must not send it again).
+        """
+        send = _TAKEN.get()
+        if send is not None:
+            send.sent = True
         await _maybe_await(self.source.post_send(task))
 
-    async def _take(self, task: ScheduledTask) -> Lock | None:
+    def _tick(self, task: ScheduledTask, now: datetime) -> Tick:
+        """The tick of ``task`` due at ``now``, named by the path of taskiq's loop that sent it.
+
+        Raises:
+            TypeError: The schedule cannot be fingerprinted.
+        """
+        prefix = self.middleware.key_prefix
+        if task.cron is None or task.interval is None:
+            return tick_of(prefix, task, now)
+        # Both a cron and an interval: taskiq's loop sends the cron's tick the
+        # first time it looks in a minute where the cron is due, and the
+        # interval's ticks otherwise.
+        minute = cron_minute(task, now)
+        if minute is None:
+            return tick_of(prefix, task, now, by_cron=False)
+        tick = tick_of(prefix, task, now, by_cron=True)
+        if tick.key in self._cron_seen:
+            return tick_of(prefix, task, now, by_cron=False)
+        if len(self._cron_seen) >= _REMEMBERED:
+            self._cron_seen = {k: m for k, m in self._cron_seen.items() if m >= minute - 1}
+            while len(self._cron_seen) >= _REMEMBERED:
+                del self._cron_seen[next(iter(self._cron_seen))]
+        self._cron_seen[tick.key] = minute
+        return tick
+
+    def _remember(self, key: str, value: str, started: float) -> None:
+        """Remember the interval tick lock this source took (a bounded map, oldest out)."""
+        self._own.pop(key, None)
+        if len(self._own) >= _REMEMBERED:
+            del self._own[next(iter(self._own))]
+        self._own[key] = (value, started)
+
+    async def _take(self, task: ScheduledTask, started: float) -> Lock | None:
         """Take the lock of ``task``'s tick due now; ``None`` when sent without one."""
         name, schedule = task.task_name, task.schedule_id
         try:
-            tick = tick_of(self.middleware.key_prefix, task, datetime.now(timezone.utc))
-        except TypeError as exc:
-            logger.warning(
-                "Scheduled task %s (schedule %s) sent without a tick lock: %s", name, schedule, exc
-            )
+            tick = self._tick(task, datetime.now(timezone.utc))
+        except TypeError:
+            said = (name, schedule)
+            if said not in self._unlocked:
+                if len(self._unlocked) >= _REMEMBERED:
+                    self._unlocked.clear()
+                self._unlocked.add(said)
+                logger.warning(
+                    "Scheduled task %s (schedule %s) sent without a tick lock: cannot "
+                    "fingerprint its arguments or labels (values taskiq cannot serialise), "
+                    "so every scheduler process sends each of its ticks",
+                    name,
+                    schedule,
+                )
             return None
         tick_lock = Lock(tick.key, new_token(), replica(), tick.ttl_ms)
+        # This source's own lock of the schedule's previous interval tick is
+        # taken over: its TTL counts from when it reached Redis, which may have
+        # been late, and is there to hold back the other replicas only.
+        replaces = ""
+        own = self._own.get(tick.key)
+        if (
+            own is not None
+            and tick.takes_over_after is not None
+            and started - own[1] >= tick.takes_over_after
+        ):
+            replaces = own[0]
         locks = await self.middleware._lock_store()  # noqa: SLF001 (one package)
         try:
-            holder = await locks.acquire(tick_lock, tick.ttl_ms)
+            holder = await locks.acquire(tick_lock, tick.ttl_ms, replaces)
         except REDIS_ERRORS as exc:
             self._unreachable(task, tick, tick_lock, exc, locks)
             return None
@@ -176,7 +266,11 @@ class DeduplicatedScheduleSource(ScheduleSource):
                 schedule,
                 holder_task_id(holder),
             )
+            if is_one_off(task):  # its tick is over: no restart sends it again
+                await self._consume(task)
             raise ScheduledTaskCancelledError
+        if tick.takes_over_after is not None:
+            self._remember(tick.key, tick_lock.value, started)
         logger.info(
             "Tick (%s) of scheduled task %s (schedule %s): sending from replica %s",
             tick.when,
@@ -199,8 +293,6 @@ class DeduplicatedScheduleSource(ScheduleSource):
         Raises:
             ScheduledTaskCancelledError: ``fail_open`` is off.
         """
-        if isinstance(exc, (RedisTimeoutError, asyncio.TimeoutError)):
-            locks.release_detached(tick_lock)  # it may land in Redis after all: undo it then
         if self.middleware.fail_open:
             logger.warning(
                 "Could not take tick lock %r of scheduled task %s (schedule %s): %s: %s; "
@@ -213,6 +305,10 @@ class DeduplicatedScheduleSource(ScheduleSource):
                 tick.when,
             )
             return
+        if isinstance(exc, (RedisTimeoutError, asyncio.TimeoutError)):
+            # It may land in Redis after all: undo it then, as the tick is skipped.
+            # (Sent without it, a lock that lands late only holds back the others.)
+            locks.release_detached(tick_lock)
         logger.error(
             "Could not take tick lock %r of scheduled task %s (schedule %s): %s: %s; "
             "tick (%s) skipped",
@@ -225,28 +321,40 @@ class DeduplicatedScheduleSource(ScheduleSource):
         )
         raise ScheduledTaskCancelledError
 
-    def _ended(
-        self, task: ScheduledTask, tick_lock: Lock | None
-    ) -> Callable[[asyncio.Task[Any]], None]:
+    async def _consume(self, task: ScheduledTask) -> None:
+        """Tell the wrapped source that one-off ``task`` is over, though not sent here."""
+        try:
+            await _maybe_await(self.source.post_send(task))
+        except Exception as exc:  # noqa: BLE001 (the tick is cancelled all the same)
+            logger.warning(
+                "Scheduled task %s (schedule %s): its source failed to drop the one-off "
+                "(%s: %s); a restart finds its tick lock taken for a day",
+                task.task_name,
+                task.schedule_id,
+                type(exc).__name__,
+                exc,
+            )
+
+    def _ended(self, task: ScheduledTask, send: _Send) -> Callable[[asyncio.Task[Any]], None]:
         """What to do when the asyncio task that sends ``task``'s tick ends."""
 
-        def ended(send: asyncio.Task[Any]) -> None:
-            if send.cancelled():
+        def ended(done: asyncio.Task[Any]) -> None:
+            if done.cancelled():
                 return
-            error = send.exception()
+            error = done.exception()
             if isinstance(error, DuplicateTaskError):
                 _refused(task, error)
                 if is_one_off(task):
-                    consuming = send.get_loop().create_task(self.post_send(task))
+                    consuming = done.get_loop().create_task(self.post_send(task))
                     self._consuming.add(consuming)
                     consuming.add_done_callback(self._consuming.discard)
             elif error is not None:
-                if tick_lock is not None:
-                    _let_go(self.middleware, tick_lock)
+                if send.lock is not None and not send.sent:
+                    _let_go(self.middleware, send.lock)
                 # What asyncio would say when the task is collected.
                 never = "Task exception was never retrieved"
-                send.get_loop().call_exception_handler(
-                    {"message": never, "exception": error, "future": send}
+                done.get_loop().call_exception_handler(
+                    {"message": never, "exception": error, "future": done}
                 )
 
         return ended
@@ -258,7 +366,8 @@ class DeduplicationScheduler(TaskiqScheduler):
     Each tick takes a tick lock in Redis first (see
     [DeduplicatedScheduleSource][taskiq_deduplication.DeduplicatedScheduleSource]),
     so that any number of scheduler processes on the same sources, and a
-    scheduler restarted, send it once. A tick refused by
+    scheduler restarted, send it once (an interval schedule: sends at least the
+    interval less half a second apart). A tick refused by
     [RedisDeduplicationMiddleware][taskiq_deduplication.RedisDeduplicationMiddleware]
     (its task is still queued or running) is logged as one INFO line that names
     the task, its schedule and the task holding the lock, and the scheduler goes
@@ -311,10 +420,15 @@ class DeduplicationScheduler(TaskiqScheduler):
             if is_one_off(task):  # its tick is over: no restart sends it again
                 await _maybe_await(source.post_send(task))
         except Exception:
-            tick_lock = _TAKEN.get()
+            send = _TAKEN.get()
             middleware = self._middleware()
-            if tick_lock is not None and middleware is not None:
-                _let_go(middleware, tick_lock)
+            if (
+                send is not None
+                and send.lock is not None
+                and not send.sent
+                and middleware is not None
+            ):
+                _let_go(middleware, send.lock)
             raise
         finally:
             _TAKEN.reset(taken)
