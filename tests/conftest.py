@@ -1,8 +1,10 @@
 """Shared fixtures: a real Redis for the whole session, and isolation per test.
 
 ``REDIS_URL`` points the suite at an existing server; without it the session
-starts its own throwaway server (see ``tests/_server.py``). Every test gets a
-key prefix of its own and its keys are deleted afterwards.
+starts its own throwaway server (see ``tests/_server.py``): with pytest-xdist
+(``pytest -n auto``), each worker process is a session of its own, with a server
+of its own. Every test gets a key prefix of its own and its keys are deleted
+afterwards.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import asyncio
 import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any, Protocol, TypeVar, overload
+from typing import Any, Protocol, TypeVar, cast, overload
 
 import pytest
 import redis.asyncio
@@ -29,8 +31,13 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: two workers per core, since most tests wait (on leases, TTLs, workers).
 
     On a 2-core machine 4 workers finish the suite sooner than 2 (one per core):
-    a test that waits for a lock to expire leaves its core to the others.
+    a test that waits for a lock to expire leaves its core to the others. With
+    ``REDIS_URL`` set every worker would share that server, and the tests that
+    count its commands (``INFO commandstats``) would count the others' too: one
+    worker then.
     """
+    if os.environ.get("REDIS_URL"):
+        return 1
     return 2 * len(os.sched_getaffinity(0))
 
 
@@ -65,7 +72,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         return
     for name, value in report.user_properties:
         if name == RECOVERY_PROPERTY:
-            what, seconds = value
+            what, seconds = cast("tuple[str, float]", value)
             _RECOVERIES.append((report.nodeid.rsplit("::", 1)[-1], str(what), float(seconds)))
 
 
