@@ -1,8 +1,10 @@
 """Shared fixtures: a real Redis for the whole session, and isolation per test.
 
 ``REDIS_URL`` points the suite at an existing server; without it the session
-starts its own throwaway server (see ``tests/_server.py``). Every test gets a
-key prefix of its own and its keys are deleted afterwards.
+starts its own throwaway server (see ``tests/_server.py``): with pytest-xdist
+(``pytest -n auto``), each worker process is a session of its own, with a server
+of its own. Every test gets a key prefix of its own and its keys are deleted
+afterwards.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import asyncio
 import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any, Protocol, TypeVar, overload
+from typing import Any, Protocol, TypeVar, cast, overload
 
 import pytest
 import redis.asyncio
@@ -20,6 +22,67 @@ from taskiq import InMemoryBroker, TaskiqMiddleware
 from taskiq_deduplication import RedisDeduplicationMiddleware
 from taskiq_deduplication._heartbeat import Beat
 from tests._server import Server
+
+# Running the suite in parallel (pytest-xdist, `pytest -n auto`)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: two workers per core, since most tests wait (on leases, TTLs, workers).
+
+    On a 2-core machine 4 workers finish the suite sooner than 2 (one per core):
+    a test that waits for a lock to expire leaves its core to the others. With
+    ``REDIS_URL`` set every worker would share that server, and the tests that
+    count its commands (``INFO commandstats``) would count the others' too: one
+    worker then.
+    """
+    if os.environ.get("REDIS_URL"):
+        return 1
+    return 2 * len(os.sched_getaffinity(0))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Keep each ``xdist_group`` in one worker, and spread every other test (``-n`` alone).
+
+    The default distribution (``load``) ignores the groups; ``--dist`` given as
+    anything else is left as it is.
+    """
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadGroupScheduling  # noqa: PLC0415 (only with pytest-xdist)
+
+    return LoadGroupScheduling(config, log)
+
+
+#: The name of the user property under which a fault test reports a recovery time
+#: (``tests/faults/conftest.py``), printed in the terminal summary.
+RECOVERY_PROPERTY = "dedup_recovery"
+
+_RECOVERIES: list[tuple[str, str, float]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Collect the recovery times the fault tests measured, from each test's report.
+
+    Under pytest-xdist this runs in the controller with the reports the workers
+    send, so the summary has the measurements of every worker.
+    """
+    if report.when != "call":
+        return
+    for name, value in report.user_properties:
+        if name == RECOVERY_PROPERTY:
+            what, seconds = cast("tuple[str, float]", value)
+            _RECOVERIES.append((report.nodeid.rsplit("::", 1)[-1], str(what), float(seconds)))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Print the recovery times that the fault tests measured."""
+    if not _RECOVERIES:
+        return
+    terminalreporter.section("fault recovery times")
+    for test, what, seconds in _RECOVERIES:
+        terminalreporter.write_line(f"{seconds * 1000:9.0f} ms  {what}  [{test}]")
 
 
 @pytest.fixture(scope="session")

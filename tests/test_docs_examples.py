@@ -40,6 +40,10 @@ from typing import Any
 import pytest
 import redis
 
+# The module's fixtures start every selected example and worker at once, from the
+# session's list of tests: with pytest-xdist, all of them run in one worker.
+pytestmark = pytest.mark.xdist_group("docs-examples")
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 EXAMPLES = sorted((DOCS / "examples").glob("*.py"))
@@ -50,7 +54,8 @@ PAGES = sorted(DOCS.glob("*.md"))
 
 # Each example finishes in a few seconds; a hung one fails instead of stalling.
 _TIMEOUT = 30
-_PARALLEL = 4
+# How many run at once: fewer in a pytest-xdist worker, whose neighbours use the cores too.
+_PARALLEL = 2 if os.environ.get("PYTEST_XDIST_WORKER") else 4
 _RECORD = os.environ.get("DOCS_EXAMPLES_RECORD") == "1"
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>```+|~~~+)[ \t]*(?P<info>[^\n]*)$", re.MULTILINE)

@@ -4,8 +4,8 @@ Every fault test starts its own throwaway server (never the session's shared
 one), so that it can stop, pause and restart it. Each broker is shut down and
 each server and proxy ended when the test ends, whatever happened in it.
 
-The suite measures how long the middleware takes to recover from each fault and
-prints the measurements in the terminal summary.
+The suite measures how long the middleware takes to recover from each fault;
+``tests/conftest.py`` prints the measurements in the terminal summary.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from taskiq import TaskiqMiddleware
 
 from taskiq_deduplication import RedisDeduplicationMiddleware
 from tests._server import Server
+from tests.conftest import RECOVERY_PROPERTY
 from tests.faults._harness import LogRecords, RecordingBroker
 from tests.faults._proxy import Proxy
 
-_RECOVERIES: list[tuple[str, str, float]] = []
 # How long the end of a test waits for the tasks it left running.
 _TASK_GRACE = 5.0
 # The longest a broker's shutdown may take, even with Redis gone.
@@ -116,18 +116,14 @@ async def _stop_tasks(broker: RecordingBroker) -> None:
 
 @pytest.fixture
 def recovery(request: pytest.FixtureRequest) -> Callable[[str, float], None]:
-    """Record how long the middleware took to recover from the fault of this test."""
+    """Record how long the middleware took to recover from the fault of this test.
+
+    The measurement travels with the test's report (as a user property), so that
+    ``tests/conftest.py`` prints it at the end of the run, in the process that
+    reports, also when pytest-xdist runs the test in a worker process.
+    """
 
     def record(what: str, seconds: float) -> None:
-        _RECOVERIES.append((request.node.name, what, seconds))
+        request.node.user_properties.append((RECOVERY_PROPERTY, (what, seconds)))
 
     return record
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """Print the recovery times that the fault tests measured."""
-    if not _RECOVERIES:
-        return
-    terminalreporter.section("fault recovery times")
-    for test, what, seconds in _RECOVERIES:
-        terminalreporter.write_line(f"{seconds * 1000:9.0f} ms  {what}  [{test}]")

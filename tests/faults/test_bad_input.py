@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 from typing import Any
 
 import pytest
@@ -75,8 +76,13 @@ _OPTION_CASES: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
+def _case_id(option: str, options: dict[str, Any]) -> str:
+    # Without the address of the object() case: pytest-xdist needs the same ids in every process.
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", f"{option}={options}")
+
+
 @pytest.mark.parametrize(
-    ("option", "options"), _OPTION_CASES, ids=[f"{o}={v}" for o, v in _OPTION_CASES]
+    ("option", "options"), _OPTION_CASES, ids=[_case_id(o, v) for o, v in _OPTION_CASES]
 )
 def test_a_bad_option_raises_value_error_naming_it(
     option: str, options: dict[str, Any], redis_url: str
