@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis.exceptions
@@ -21,6 +22,7 @@ from tests.faults._harness import (
     GRACE_TTL_MS,
     LOCK_KEY_LABEL,
     LogRecords,
+    RecordingBroker,
     admin,
     lock_keys,
     wait_until,
@@ -275,6 +277,42 @@ async def test_an_exclusive_run_that_cannot_reach_redis_waits_for_it_before_it_b
         await proxy.restore()
 
 
+class HeldRun:
+    """A task whose first run holds until :meth:`release`, and a copy of its message."""
+
+    def __init__(self, broker: RecordingBroker, until: str = "finished") -> None:
+        self.broker = broker
+        self.runs = 0
+        self._release = asyncio.Event()
+
+        @broker.task(deduplication_until=until)
+        async def work(x: int) -> int:
+            self.runs += 1
+            await self._release.wait()
+            return x
+
+        self.task = work
+
+    async def start(self) -> Any:
+        """Send the task and run it; return its handle once its body has begun."""
+        handle = await self.task.kiq(x=1)
+        (self._message,) = self.broker.held
+        self.broker.deliver_held()
+
+        async def running() -> bool:
+            return self.runs > 0
+
+        await wait_until(running, timeout=5)
+        return handle
+
+    def deliver_copy(self) -> asyncio.Future[Any]:
+        """Deliver the message again, as an at-least-once broker does."""
+        return asyncio.ensure_future(self.broker.receiver.callback(message=self._message.message))
+
+    def release(self) -> None:
+        self._release.set()
+
+
 async def test_a_copy_that_waits_through_two_short_outages_never_runs_beside_its_run(
     make_recording_broker: BrokerMaker, proxy: Proxy, logs: LogRecords
 ) -> None:
@@ -282,37 +320,20 @@ async def test_a_copy_that_waits_through_two_short_outages_never_runs_beside_its
     # outage's start: Redis answering in between ends the first one. (The soak
     # saw a copy whose wait for Redis began in an earlier outage run at once in
     # the next, beside its run.)
-    broker = await make_recording_broker(proxy.url(FAST), hold=True, default_ttl=3)
-    spans: list[list[float]] = []
-    release = asyncio.Event()
-
-    @broker.task
-    async def work(x: int) -> int:
-        spans.append([time.monotonic(), 0.0])
-        await release.wait()
-        spans[-1][1] = time.monotonic()
-        return x
-
-    handle = await work.kiq(x=1)
-    (message,) = broker.held
-    broker.deliver_held()
-
-    async def running() -> bool:
-        return bool(spans)
-
-    await wait_until(running, timeout=5)
-    copy = asyncio.ensure_future(broker.receiver.callback(message=message.message))
+    run = HeldRun(await make_recording_broker(proxy.url(FAST), hold=True, default_ttl=3))
+    handle = await run.start()
+    copy = run.deliver_copy()
     for _ in range(2):  # two outages shorter than the lease, a lease apart
         await proxy.cut()
         await asyncio.sleep(0.6)
         await proxy.restore()
         await asyncio.sleep(2.6)
     assert logs.warnings("it waits for Redis, at most 3s, before it runs")
-    assert len(spans) == 1  # the copy still waits
-    release.set()
+    assert run.runs == 1  # the copy still waits
+    run.release()
     assert (await handle.wait_result(timeout=10)).return_value == 1
     await asyncio.wait_for(copy, timeout=10)
-    assert len(spans) == 1  # the run succeeded: its copy is not run
+    assert run.runs == 1  # the run succeeded: its copy is not run
     assert logs.warnings("Redis did not answer for a lease") == []
 
 
@@ -324,31 +345,15 @@ async def test_a_short_expired_window_does_not_shorten_the_run_slot_through_an_o
     # run beside the run. (The soak saw a copy run beside its run after a 3 s cut
     # under a 4 s window.)
     broker = await make_recording_broker(proxy.url(FAST), hold=True, default_ttl=2)
-    spans: list[list[float]] = []
-    release = asyncio.Event()
-
-    @broker.task(deduplication_until="expired")
-    async def work(x: int) -> int:
-        spans.append([time.monotonic(), 0.0])
-        await release.wait()
-        spans[-1][1] = time.monotonic()
-        return x
-
-    handle = await work.kiq(x=1)
-    (message,) = broker.held
-    broker.deliver_held()
-
-    async def running() -> bool:
-        return bool(spans)
-
-    await wait_until(running, timeout=5)
+    run = HeldRun(broker, until="expired")
+    handle = await run.start()
     await proxy.cut()
-    copy = asyncio.ensure_future(broker.receiver.callback(message=message.message))
+    copy = run.deliver_copy()
     await asyncio.sleep(2.5)  # longer than the window and its slot's old lease
     await proxy.restore()
     await asyncio.sleep(1.5)
-    assert len(spans) == 1  # the copy still waits
-    release.set()
+    assert run.runs == 1  # the copy still waits
+    run.release()
     assert (await handle.wait_result(timeout=10)).return_value == 1
     await asyncio.wait_for(copy, timeout=15)
-    assert len(spans) == 1  # the run succeeded while the copy waited: not run
+    assert run.runs == 1  # the run succeeded while the copy waited: not run
