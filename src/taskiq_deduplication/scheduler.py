@@ -293,32 +293,25 @@ class DeduplicatedScheduleSource(ScheduleSource):
         Raises:
             ScheduledTaskCancelledError: ``fail_open`` is off.
         """
-        if self.middleware.fail_open:
-            logger.warning(
-                "Could not take tick lock %r of scheduled task %s (schedule %s): %s: %s; "
-                "sending the tick (%s) without it (fail_open)",
-                tick.key,
-                task.task_name,
-                task.schedule_id,
-                type(exc).__name__,
-                exc,
-                tick.when,
-            )
-            return
-        if isinstance(exc, (RedisTimeoutError, asyncio.TimeoutError)):
-            # It may land in Redis after all: undo it then, as the tick is skipped.
-            # (Sent without it, a lock that lands late only holds back the others.)
-            locks.release_detached(tick_lock)
-        logger.error(
-            "Could not take tick lock %r of scheduled task %s (schedule %s): %s: %s; "
-            "tick (%s) skipped",
+        sent = self.middleware.fail_open
+        logger.log(
+            logging.WARNING if sent else logging.ERROR,
+            "Could not take tick lock %r of scheduled task %s (schedule %s): %s: %s; %s",
             tick.key,
             task.task_name,
             task.schedule_id,
             type(exc).__name__,
             exc,
-            tick.when,
+            f"sending the tick ({tick.when}) without it (fail_open)"
+            if sent
+            else f"tick ({tick.when}) skipped",
         )
+        if sent:
+            return
+        if isinstance(exc, (RedisTimeoutError, asyncio.TimeoutError)):
+            # It may land in Redis after all: undo it then, as the tick is skipped.
+            # (Sent without it, a lock that lands late only holds back the others.)
+            locks.release_detached(tick_lock)
         raise ScheduledTaskCancelledError
 
     async def _consume(self, task: ScheduledTask) -> None:
