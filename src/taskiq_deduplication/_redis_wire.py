@@ -260,29 +260,32 @@ class _Connection:
 def _lean_fits(connection: AbstractConnection) -> bool:
     """The probe: whether ``connection`` goes the lean way (see the module docstring).
 
-    The lean way's needs are checked once per connection class, on the first
-    connection of that class; :data:`WIRE_ENV` is read every time.
+    The lean way's needs are checked once per kind of connection (its class
+    and its parser's, which the client's ``parser_class`` and protocol pick),
+    on the first connection of that kind; :data:`WIRE_ENV` is read every time.
     """
-    connection_class = type(connection)
-    misfit = _MISFITS.get(connection_class)
+    kind = (type(connection), type(getattr(connection, "_parser", None)))
+    misfit = _MISFITS.get(kind)
     if misfit is None:
-        misfit = _MISFITS[connection_class] = _misfit(connection)
+        misfit = _MISFITS[kind] = _misfit(connection)
     if os.environ.get(WIRE_ENV, "").strip().lower() == "public":
         misfit = f"{WIRE_ENV}=public"
-    if misfit and (connection_class, misfit) not in _TOLD:
-        _TOLD.add((connection_class, misfit))
+    if misfit and (kind, misfit) not in _TOLD:
+        _TOLD.add((kind, misfit))
         logger.debug(
-            "Lock calls go through redis-py's public API on %s connections: %s",
-            connection_class.__name__,
+            "Lock calls go through redis-py's public API on %s connections (parser %s): %s",
+            kind[0].__name__,
+            kind[1].__name__,
             misfit,
         )
     return not misfit
 
 
-#: Per connection class, why the lean way does not fit it ("" when it does).
-_MISFITS: dict[type[AbstractConnection], str] = {}
+#: Per kind of connection (its class, its parser's), why the lean way does not
+#: fit it ("" when it does).
+_MISFITS: dict[tuple[type[AbstractConnection], type[Any]], str] = {}
 #: The choices of the public way logged so far: each is logged once.
-_TOLD: set[tuple[type[AbstractConnection], str]] = set()
+_TOLD: set[tuple[tuple[type[AbstractConnection], type[Any]], str]] = set()
 
 
 def _misfit(connection: AbstractConnection) -> str:
