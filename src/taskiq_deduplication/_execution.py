@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import enum
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -21,11 +22,12 @@ from taskiq_deduplication._formats import NO_OWNER
 
 if TYPE_CHECKING:
     from taskiq import TaskiqMessage, TaskiqResult
+    from taskiq.abc.broker import AsyncBroker
 
     from taskiq_deduplication._heartbeat import Beat
-    from taskiq_deduplication._lock import Lock
     from taskiq_deduplication._loops import LoopState
     from taskiq_deduplication._policies import Policy
+    from taskiq_deduplication._store import Lock
 
 # taskiq's own labels, counted up on the running message by Context.requeue()
 # and by the retry middlewares when they send the next attempt.
@@ -197,3 +199,27 @@ class NotRun(list[Any]):
     def __iter__(self) -> Any:  # noqa: ANN401 (never returns)
         """Refuse to be unpacked: the body must not run."""
         raise NoResultError
+
+
+#: The runs that each broker's middlewares follow: a task's `TaskLock` finds its
+#: own there (weakly held: a broker that goes takes its entry with it).
+_FOLLOWED: weakref.WeakKeyDictionary[AsyncBroker, list[Executions]] = weakref.WeakKeyDictionary()
+
+
+def follow_runs(broker: AsyncBroker, executions: Executions) -> None:
+    """Let the tasks of ``broker`` find their runs in ``executions``."""
+    _FOLLOWED.setdefault(broker, []).append(executions)
+
+
+def run_of(broker: AsyncBroker, task_id: str) -> Execution | None:
+    """The run of ``task_id`` whose context this is, among those ``broker``'s middlewares follow.
+
+    A task's dependencies (`TaskLock`) are resolved in the run's asyncio task,
+    but its body may run in another (a ``timeout`` label on Python 3.10), with
+    a copy of the context.
+    """
+    for executions in _FOLLOWED.get(broker, ()):
+        execution = executions.of_run(task_id)
+        if execution is not None:
+            return execution
+    return None

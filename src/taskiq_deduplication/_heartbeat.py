@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from taskiq_deduplication._formats import holder_task_id
-from taskiq_deduplication._lock import REDIS_ERRORS, Lock, LockStore, Reasserted
+from taskiq_deduplication._store import REDIS_ERRORS, Lock, LockStore, Reasserted
 from taskiq_deduplication.events import EventSink, LockEventKind
 
 if TYPE_CHECKING:

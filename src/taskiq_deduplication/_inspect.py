@@ -259,7 +259,7 @@ async def release(client: RedisClient, locks: Sequence[HeldLock]) -> list[bool]:
         another send since it was read).
     """
     # Only here: the lock store (and its pipeline) is not needed to read locks.
-    from taskiq_deduplication._lock import load_script  # noqa: PLC0415
+    from taskiq_deduplication._store import load_script  # noqa: PLC0415
 
     script = load_script(client, "release_with")
     released: list[bool] = []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Protocol
 
 import pydantic
 import pydantic_core
@@ -17,6 +17,7 @@ from taskiq_deduplication.exceptions import InvalidSettingError
 
 if TYPE_CHECKING:
     from pydantic import RedisDsn
+    from taskiq.abc.broker import AsyncBroker
 
 
 # A RedisDsn, as every pydantic 2 spells it: from 2.10 on a subclass of AnyUrl;
@@ -127,3 +128,31 @@ def check_until(value: object) -> Policy:
 def check_success_ttl(value: object) -> int:
     """The ``default_success_ttl`` option: whole seconds, 0 for none."""
     return check_int("default_success_ttl", value, minimum=0, maximum=MAX_TTL)
+
+
+class Settings(Protocol):
+    """The options that a send and a run read as the middleware has them now."""
+
+    @property
+    def key_prefix(self) -> str:
+        """Prefix of every lock key (an application may set it after construction)."""
+
+    @property
+    def fail_open(self) -> bool:
+        """Whether a Redis error lets a send or a run go on without its lock."""
+
+    @property
+    def heartbeat(self) -> bool:
+        """Whether running tasks' locks are refreshed."""
+
+    @property
+    def heartbeat_interval(self) -> float | None:
+        """Seconds between refreshes, if set."""
+
+    @property
+    def running_ttl(self) -> int | None:
+        """The running lease in seconds, if set."""
+
+    @property
+    def broker(self) -> AsyncBroker:
+        """The broker the middleware is registered on."""

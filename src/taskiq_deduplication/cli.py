@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return _fail(ExitCode.INTERRUPTED, "interrupted")
     except Exception as exc:  # noqa: BLE001 (one line, never a traceback, whatever failed)
-        from taskiq_deduplication._lock import REDIS_ERRORS  # noqa: PLC0415 (see the docstring)
+        from taskiq_deduplication._store import REDIS_ERRORS  # noqa: PLC0415 (see the docstring)
 
         said = f"{type(exc).__name__}: {_one_line(exc)}"
         return _fail(ExitCode.ERROR, f"Redis: {said}" if isinstance(exc, REDIS_ERRORS) else said)

@@ -38,7 +38,7 @@ _OWNERS = (
     ("taskiq_deduplication/_fingerprint.py", "dedup: fingerprint"),
     ("taskiq_deduplication/_labels.py", "dedup: labels"),
     ("taskiq_deduplication/_formats.py", "dedup: labels"),
-    ("taskiq_deduplication/_lock.py", "dedup: lock pipeline"),
+    ("taskiq_deduplication/_store.py", "dedup: lock pipeline"),
     ("taskiq_deduplication/_pipeline.py", "dedup: lock pipeline"),
     ("taskiq_deduplication/_heartbeat.py", "dedup: heartbeat loop"),
     ("taskiq_deduplication/middleware.py", "dedup: middleware hooks"),

@@ -19,7 +19,7 @@ import redis.exceptions
 from taskiq import BrokerMessage, InMemoryBroker, TaskiqMessage, TaskiqMiddleware
 
 from taskiq_deduplication import RedisDeduplicationMiddleware
-from taskiq_deduplication._lock import Lock, LockStore
+from taskiq_deduplication._store import Lock, LockStore
 from tests._server import Server
 from tests.faults._harness import LogRecords, admin, lock_keys, wait_until
 
