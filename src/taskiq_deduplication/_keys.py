@@ -14,12 +14,12 @@ from taskiq import TaskiqMessage
 
 from taskiq_deduplication._fingerprint import call_fingerprint, fields_fingerprint
 from taskiq_deduplication._formats import arguments_digest, lock_key, token_digest
-from taskiq_deduplication._labels import KEY_FIELDS_LABEL
+from taskiq_deduplication._settings import KEY_FIELDS_LABEL
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-    from taskiq_deduplication._labels import SendOptions
+    from taskiq_deduplication._settings import SendOptions
     from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
 
 # Its warnings are the middleware's: they are about a send.

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from redis.asyncio.cluster import RedisCluster
 
-from taskiq_deduplication import _labels as labels
+from taskiq_deduplication import _settings as settings
 from taskiq_deduplication._execution import Execution, Executions, NotRun, Resent
 from taskiq_deduplication._formats import (
     NO_OWNER,
@@ -40,8 +40,8 @@ if TYPE_CHECKING:
     from taskiq import TaskiqMessage, TaskiqResult
 
     from taskiq_deduplication._loops import LoopState, LoopStates
-    from taskiq_deduplication._options import Settings
     from taskiq_deduplication._pending import PendingSends
+    from taskiq_deduplication._settings import Options
     from taskiq_deduplication.events import EventSink
 
 # The middleware's logger: the hooks log under it, wherever their code lives.
@@ -76,14 +76,14 @@ class Runs:
 
     def __init__(
         self,
-        settings: Settings,
+        options: Options,
         states: LoopStates,
         events: EventSink,
         executions: Executions,
         pending: PendingSends,
     ) -> None:
         """Follow runs with the middleware's options, loop states, events and sends."""
-        self._settings = settings
+        self._options = options
         self._states = states
         self._events = events
         self._executions = executions
@@ -128,7 +128,7 @@ class Runs:
         if execution.skipped:
             message.args = NotRun(message.args)
             return message
-        if self._settings.heartbeat and (
+        if self._options.heartbeat and (
             execution.run is not None or (policy.heartbeat and execution.owned)
         ):
             lease = execution.run or execution.lease
@@ -275,8 +275,8 @@ class Runs:
         step = _CLAIM_STEPS.get(execution.policy.at_start, "nothing")
         merging = recorded.merge is not None
         keys = {
-            "merge_key": merge_key(self._settings.key_prefix, lease.key) if merging else None,
-            "fence_key": fence_key(self._settings.key_prefix)
+            "merge_key": merge_key(self._options.key_prefix, lease.key) if merging else None,
+            "fence_key": fence_key(self._options.key_prefix)
             if recorded.fence is not None
             else None,
         }
@@ -340,7 +340,7 @@ class Runs:
         else:
             self._started(execution, message, claimed.outcome)
         if claimed.arguments is not None:
-            latest = self._settings.broker.formatter.loads(base64.b64decode(claimed.arguments))
+            latest = self._options.broker.formatter.loads(base64.b64decode(claimed.arguments))
             message.args, message.kwargs = latest.args, latest.kwargs
 
     def _failing(
@@ -359,7 +359,7 @@ class Runs:
         worker cut off from it, the one case a fence tells). With ``fail_open``,
         and for a run that is not exclusive, it runs at once.
         """
-        waits = 0.0 if run is None or self._settings.fail_open else run.ttl_ms / 1000
+        waits = 0.0 if run is None or self._options.fail_open else run.ttl_ms / 1000
         if (
             recorded.merge is None
             and recorded.fence is None
@@ -391,9 +391,9 @@ class Runs:
         token = new_run_token(recorded.token)
         if execution.policy.at_start is Step.REASSERT:
             return Lock(lease.key, token, lease.task_id, lease.ttl_ms)
-        key = run_key(self._settings.key_prefix, lease.key)
+        key = run_key(self._options.key_prefix, lease.key)
         if key is None or (
-            isinstance(state.client, RedisCluster) and "{" not in self._settings.key_prefix
+            isinstance(state.client, RedisCluster) and "{" not in self._options.key_prefix
         ):
             if execution.task_name not in self._not_exclusive:
                 self._not_exclusive.add(execution.task_name)
@@ -411,8 +411,8 @@ class Runs:
         # of a few seconds) would leave the heartbeat too little room to ride
         # out a Redis outage of a second or two, and let another run in.
         ttl_ms = lease.ttl_ms
-        if self._settings.heartbeat:
-            ttl_ms = (self._settings.running_ttl or _SLOT_LEASE) * 1000
+        if self._options.heartbeat:
+            ttl_ms = (self._options.running_ttl or _SLOT_LEASE) * 1000
         return Lock(key, token, lease.task_id, ttl_ms)
 
     def _poll(self, execution: Execution, run: Lock | None) -> float:
@@ -536,15 +536,15 @@ class Runs:
 
     def _lease(self, message: TaskiqMessage, lock: Lock) -> Lock:
         """The lock as its running task keeps it: on the running lease, if there is one."""
-        seconds = labels.read_running_ttl(message.labels, default=self._settings.running_ttl)
-        if seconds is None or seconds * 1000 >= lock.ttl_ms or not self._settings.heartbeat:
+        seconds = settings.read_running_ttl(message.labels, default=self._options.running_ttl)
+        if seconds is None or seconds * 1000 >= lock.ttl_ms or not self._options.heartbeat:
             return lock
         return Lock(lock.key, lock.token, lock.task_id, seconds * 1000)
 
     def _interval(self, execution: Execution, lease: Lock | None = None) -> float:
         """Seconds between two refreshes of ``lease`` (by default the run's lease)."""
         ttl = (lease or execution.lease).ttl_ms / 1000
-        interval = self._settings.heartbeat_interval or max(ttl / 3, 1.0)
+        interval = self._options.heartbeat_interval or max(ttl / 3, 1.0)
         # A refresh less often than half the TTL would let the lock lapse.
         return min(interval, ttl / 2)
 

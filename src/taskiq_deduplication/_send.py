@@ -18,8 +18,8 @@ from redis.asyncio.cluster import RedisCluster
 from taskiq import TaskiqMessage
 
 from taskiq_deduplication import _keys as keys
-from taskiq_deduplication import _labels as labels
 from taskiq_deduplication import _refusals
+from taskiq_deduplication import _settings as settings
 from taskiq_deduplication._execution import Execution, Executions, Resent
 from taskiq_deduplication._formats import (
     NO_OWNER,
@@ -43,9 +43,9 @@ if TYPE_CHECKING:
     from taskiq import BrokerMessage
 
     from taskiq_deduplication._loops import LoopStates
-    from taskiq_deduplication._options import Settings
     from taskiq_deduplication._pending import PendingSends
     from taskiq_deduplication._run import Runs
+    from taskiq_deduplication._settings import Options
     from taskiq_deduplication.events import EventSink
 
 # The middleware's logger: the hooks log under it, wherever their code lives.
@@ -60,9 +60,9 @@ class Sends:
 
     def __init__(  # noqa: PLR0913 (the middleware's parts a send uses, each named)
         self,
-        settings: Settings,
+        options: Options,
         *,
-        defaults: labels.Defaults,
+        defaults: settings.Defaults,
         states: LoopStates,
         events: EventSink,
         runs: Runs,
@@ -70,7 +70,7 @@ class Sends:
         pending: PendingSends,
     ) -> None:
         """Send with the middleware's parts; a retry from inside a run hands it to ``runs``."""
-        self._settings = settings
+        self._options = options
         self._defaults = defaults
         self._states = states
         self._events = events
@@ -82,7 +82,7 @@ class Sends:
 
     async def pre_send(self, message: TaskiqMessage) -> TaskiqMessage:
         """Take the task's lock before the message goes to the broker (see the hook)."""
-        send = labels.read_send_options(message.labels, self._defaults)
+        send = settings.read_send_options(message.labels, self._defaults)
         if send is None:
             drop_lock_labels(message.labels)
             self._outcome(LockEventKind.OFF, message, None, None)
@@ -92,7 +92,7 @@ class Sends:
         policy = send.policy
         if earlier is not None and policy.retry is RetrySend.KEEP:
             return await self._keep(message, earlier, running, send)
-        prefix = self._settings.key_prefix
+        prefix = self._options.key_prefix
         key = earlier.key if earlier is not None else keys.lock_key_of(prefix, message, send)
         digest = keys.arguments_digest_of(message, send)
         lock = Lock(key, new_token(digest), message.task_id, send.ttl * 1000)
@@ -182,13 +182,13 @@ class Sends:
         What ``pre_send`` computes, for ``taskiq dedup key``; raises as it does
         on a bad label or arguments that cannot be fingerprinted.
         """
-        send = labels.read_send_options(message.labels, self._defaults)
+        send = settings.read_send_options(message.labels, self._defaults)
         if send is None:
             return None
-        return keys.lock_key_of(self._settings.key_prefix, message, send)
+        return keys.lock_key_of(self._options.key_prefix, message, send)
 
     async def _acquire(
-        self, lock: Lock, earlier: Lock | None, message: TaskiqMessage, send: labels.SendOptions
+        self, lock: Lock, earlier: Lock | None, message: TaskiqMessage, send: settings.SendOptions
     ) -> Acquired | None:
         """Take ``lock`` for the grace TTL, with its merged arguments and fence if it has them.
 
@@ -199,7 +199,7 @@ class Sends:
                 Redis Cluster, under a key_prefix without a hash tag.
         """
         state = self._states.get() or await self._states.current()
-        prefix = self._settings.key_prefix
+        prefix = self._options.key_prefix
         fenced = self._wants_fence(message.task_name)
         merging = send.merge is not None and merge_key(prefix, lock.key) is not None
         if (
@@ -224,7 +224,7 @@ class Sends:
                 task_name=message.task_name if merging else "",
             )
         except REDIS_ERRORS as exc:
-            if not self._settings.fail_open:
+            if not self._options.fail_open:
                 raise
             logger.warning(
                 "Could not take deduplication lock %r for task %s (%s): %s: %s; "
@@ -243,7 +243,7 @@ class Sends:
         message: TaskiqMessage,
         earlier: Lock,
         running: Execution | None,
-        send: labels.SendOptions,
+        send: settings.SendOptions,
     ) -> TaskiqMessage:
         """Send a retry with the lock of the attempt it continues, as that lock is.
 
@@ -261,7 +261,7 @@ class Sends:
         self._outcome(LockEventKind.LOCKED, message, earlier.key, message.task_id)
         # Its post_send leaves the TTL alone, and only lets calls merge into it.
         if earlier.token != NO_OWNER:
-            merged_key = merge_key(self._settings.key_prefix, earlier.key) if merges else None
+            merged_key = merge_key(self._options.key_prefix, earlier.key) if merges else None
             self._pending.add(PendingSend(earlier, merged_key, extends=False, taken=False))
         return message
 
@@ -269,7 +269,7 @@ class Sends:
         """Whether the task takes a `TaskLock`, looked up once per task name."""
         wants = self._fenced.get(task_name)
         if wants is None:
-            broker = getattr(self._settings, "broker", None)
+            broker = getattr(self._options, "broker", None)
             task = broker.find_task(task_name) if broker is not None else None
             wants = task is not None and takes_task_lock(task.original_func)
             self._fenced[task_name] = wants
@@ -281,7 +281,7 @@ class Sends:
         Its attempt's run claimed the merged arguments; a call that comes while
         the retry waits in the queue merges into it, as under the other policies.
         """
-        merged_key = merge_key(self._settings.key_prefix, lock.key)
+        merged_key = merge_key(self._options.key_prefix, lock.key)
         if merged_key is None:
             return
         state = self._states.get() or await self._states.current()
@@ -305,7 +305,7 @@ class Sends:
         acquired: Acquired,
         *,
         digest: str | None,
-        send: labels.SendOptions,
+        send: settings.SendOptions,
     ) -> DuplicateTaskError:
         """The error for a call refused (or merged) because ``holder`` holds its lock."""
         holder_id = holder_task_id(holder)
@@ -385,14 +385,14 @@ class Sends:
             task_id="", task_name="", labels={}, args=message.args, kwargs=message.kwargs
         )
         # base64: any serializer's bytes survive a client that decodes replies.
-        return base64.b64encode(self._settings.broker.formatter.dumps(call).message)
+        return base64.b64encode(self._options.broker.formatter.dumps(call).message)
 
     def _without_lock(
         self,
         message: TaskiqMessage,
         running: Execution | None,
         key: str,
-        send: labels.SendOptions,
+        send: settings.SendOptions,
     ) -> TaskiqMessage:
         """Let ``message`` go out without a lock (fail-open, or a retry that found none).
 
@@ -413,11 +413,11 @@ class Sends:
         message: TaskiqMessage,
         key: str,
         token: str,
-        send: labels.SendOptions,
+        send: settings.SendOptions,
         fence: int | None = None,
     ) -> bool:
         """Record on ``message`` the lock it is sent with; whether calls merge into it."""
-        merge = send.merge if merge_key(self._settings.key_prefix, key) is not None else None
+        merge = send.merge if merge_key(self._options.key_prefix, key) is not None else None
         recorded = RecordedLock(
             key,
             token,

@@ -215,10 +215,10 @@ def _locks_of(args: argparse.Namespace) -> _Locks:
         return _Locks(middleware.key_prefix, True, middleware)  # noqa: FBT003
     if args.prefix is None:
         return _Locks(_DEFAULT_PREFIX, False, None)  # noqa: FBT003
-    from taskiq_deduplication import _options as options  # noqa: PLC0415 (see the docstring)
+    from taskiq_deduplication import _settings as settings  # noqa: PLC0415 (see the docstring)
 
     try:
-        return _Locks(options.check_prefix(args.prefix), True, None)  # noqa: FBT003
+        return _Locks(settings.check_prefix(args.prefix), True, None)  # noqa: FBT003
     except ValueError as exc:
         raise _UsageError(f"--prefix: {exc}") from None
 

@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from taskiq import TaskiqMessage, TaskiqMiddleware, TaskiqResult
 
-from taskiq_deduplication import _labels as labels
-from taskiq_deduplication import _options as options
+from taskiq_deduplication import _settings as settings
 from taskiq_deduplication import _tracing as tracing
 from taskiq_deduplication._client import client_from_url
 from taskiq_deduplication._execution import Executions, follow_runs
@@ -71,7 +70,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         *,
         default_deduplication: bool = True,
         default_ttl: int = 300,
-        key_prefix: str = "taskiq:deduplication",
+        key_prefix: str = settings.DEFAULT_PREFIX,
         startup_retries: int = 3,
         startup_retry_delay: float = 1.0,
         heartbeat: bool = True,
@@ -134,28 +133,28 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             ValueError: An option is missing, of the wrong type or out of range.
         """
         super().__init__()
-        self._url = options.check_connection(redis_url, client)
+        self._url = settings.check_connection(redis_url, client)
         self._client = client
-        self.default_deduplication = options.check_bool(
+        self.default_deduplication = settings.check_bool(
             "default_deduplication", default_deduplication
         )
-        self.default_ttl = options.check_int(
-            "default_ttl", default_ttl, minimum=1, maximum=labels.MAX_TTL
+        self.default_ttl = settings.check_ttl("default_ttl", default_ttl)
+        self.key_prefix = settings.check_prefix(key_prefix)
+        self.startup_retries = settings.check_int("startup_retries", startup_retries, minimum=1)
+        self.startup_retry_delay = settings.check_seconds(
+            "startup_retry_delay", startup_retry_delay
         )
-        self.key_prefix = options.check_prefix(key_prefix)
-        self.startup_retries = options.check_int("startup_retries", startup_retries, minimum=1)
-        self.startup_retry_delay = options.check_seconds("startup_retry_delay", startup_retry_delay)
-        self.heartbeat = options.check_bool("heartbeat", heartbeat)
-        self.heartbeat_interval = options.check_interval(heartbeat_interval, self.default_ttl)
-        self.fail_open = options.check_bool("fail_open", fail_open)
-        self.running_ttl = options.check_running_ttl(
+        self.heartbeat = settings.check_bool("heartbeat", heartbeat)
+        self.heartbeat_interval = settings.check_interval(heartbeat_interval, self.default_ttl)
+        self.fail_open = settings.check_bool("fail_open", fail_open)
+        self.running_ttl = settings.check_running_ttl(
             running_ttl, self.heartbeat, self.heartbeat_interval
         )
-        policy = options.check_until(default_until)
+        policy = settings.check_until(default_until)
         self.default_until = policy.name
-        self.default_success_ttl = options.check_success_ttl(default_success_ttl)
-        self.default_exclusive = options.check_bool("default_exclusive", default_exclusive)
-        self._defaults = labels.Defaults(
+        self.default_success_ttl = settings.check_success_ttl(default_success_ttl)
+        self.default_exclusive = settings.check_bool("default_exclusive", default_exclusive)
+        self._defaults = settings.Defaults(
             enabled=self.default_deduplication,
             ttl=self.default_ttl,
             policy=policy,
@@ -163,7 +162,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             heartbeat=self.heartbeat,
             exclusive=self.default_exclusive,
         )
-        self.metrics = options.check_bool("metrics", metrics)
+        self.metrics = settings.check_bool("metrics", metrics)
         self._events = EventSink()
         self._metrics: Metrics | None = None
         self._states = LoopStates(self._new_client, self._events, lambda: self._metrics)
@@ -236,7 +235,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         broker = getattr(self, "broker", None)
         if broker is not None:
             tasks = broker.get_all_tasks()
-            labels.check_task_labels(
+            settings.check_task_labels(
                 ((name, task.labels) for name, task in tasks.items()), self._defaults
             )
         self._observe(broker)

@@ -36,7 +36,7 @@ _LOOP = "asyncio: event loop, streams, socket writes, futures"
 #: (path fragment, category), tried on the innermost frame first.
 _OWNERS = (
     ("taskiq_deduplication/_fingerprint.py", "dedup: fingerprint"),
-    ("taskiq_deduplication/_labels.py", "dedup: labels"),
+    ("taskiq_deduplication/_settings.py", "dedup: labels"),
     ("taskiq_deduplication/_formats.py", "dedup: labels"),
     ("taskiq_deduplication/_store.py", "dedup: lock pipeline"),
     ("taskiq_deduplication/_pipeline.py", "dedup: lock pipeline"),
