@@ -13,19 +13,17 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from redis.asyncio.cluster import RedisCluster
 
+from taskiq_deduplication import _run_log as say
 from taskiq_deduplication import _settings as settings
 from taskiq_deduplication._execution import Execution, Executions, NotRun, Resent
 from taskiq_deduplication._formats import (
     NO_OWNER,
-    SUCCEEDED_MARK,
     RecordedLock,
     fence_key,
-    holder_task_id,
     merge_key,
     new_run_token,
     read_lock_labels,
@@ -33,7 +31,7 @@ from taskiq_deduplication._formats import (
 )
 from taskiq_deduplication._heartbeat import Beat
 from taskiq_deduplication._policies import FINISHED, POLICIES, Step
-from taskiq_deduplication._store import REDIS_ERRORS, Claimed, Lock, Reasserted
+from taskiq_deduplication._store import REDIS_ERRORS, Claimed, Lock
 from taskiq_deduplication.events import LockEventKind
 
 if TYPE_CHECKING:
@@ -55,11 +53,6 @@ _CLAIM_STEPS: Final = {Step.REASSERT: "reassert", Step.RELEASE: "release"}
 #: calls come this often). Measured on a worker draining 1 ms tasks: 0.5 ms
 #: shares too few round trips, 2 ms no more than 1 ms.
 _RUN_LINGER: Final = 0.001
-# What a run that could not claim its lock at its start does.
-_NOT_BEGUN: Final = (
-    "it runs with the arguments it was sent with, not knowing whether another run of its "
-    "key goes on"
-)
 #: Seconds a run slot beside the lock ("started", "expired") lives unrefreshed,
 #: unless ``running_ttl`` says: how long a crashed run holds up the next one.
 _SLOT_LEASE: Final = 10
@@ -230,32 +223,7 @@ class Runs:
                 exc,
             )
             return
-        self._started(execution, message, reply)
-
-    def _started(self, execution: Execution, message: TaskiqMessage, reply: int | str) -> None:
-        """Say what a run found of its lock as it began: taken back, or held by another."""
-        key = execution.lock.key
-        if reply == Reasserted.TAKEN_BACK:
-            logger.warning(
-                "Lock %r of task %s (%s) had expired while the task was queued; taken back",
-                key,
-                message.task_name,
-                message.task_id,
-            )
-            self._events.emit(
-                LockEventKind.TAKEN_BACK, message.task_name, message.task_id, key, message.task_id
-            )
-        elif isinstance(reply, str):
-            holder = holder_task_id(reply)
-            logger.warning(
-                "Task %s (%s) runs although task %s now holds its lock %r",
-                message.task_name,
-                message.task_id,
-                holder,
-                key,
-            )
-            self._events.emit(LockEventKind.LOST, message.task_name, message.task_id, key, holder)
-            execution.owned = False
+        say.started(self._events, execution, message, reply)
 
     async def _claim(
         self,
@@ -282,7 +250,7 @@ class Runs:
         }
         locks = execution.state.locks
         waited = False
-        failing: _Failing | None = None
+        failing: say.Failing | None = None
         while True:
             try:
                 claimed: Claimed = await locks.claim(
@@ -295,7 +263,9 @@ class Runs:
                 )
             except REDIS_ERRORS as exc:
                 if failing is None:
-                    failing = self._failing(execution, recorded, message, run, exc)
+                    failing = say.claim_failed(
+                        execution, recorded, message, run, exc, fail_open=self._options.fail_open
+                    )
                 delay = failing.delay(self._poll(execution, run))
                 if delay is None:
                     failing.gives_up(execution, message)
@@ -306,7 +276,8 @@ class Runs:
             # copy that waited through one short outage would run at the next.
             failing = None
             if claimed.skipped_for is not None:
-                self._skip(execution, message, claimed.skipped_for)
+                execution.skipped = True
+                say.skipped(self._events, execution, message, claimed.skipped_for)
                 return
             if not claimed.wait_ms:
                 break
@@ -315,7 +286,7 @@ class Runs:
                 continue
             if not waited:
                 waited = True
-                self._waits(execution, message, claimed.waiting_for)
+                say.waits(self._events, execution, message, claimed.waiting_for)
             await asyncio.sleep(min(self._poll(execution, run), claimed.wait_ms / 1000))
         self._begun(execution, recorded, message, run, claimed)
 
@@ -336,47 +307,12 @@ class Runs:
             # Sent without a lock: it owns none (unless the run slot is its lock).
             execution.owned = run is not None and run.key == lease.key
         elif run is not None and run.key == lease.key and isinstance(claimed.outcome, str):
-            self._took_over(execution, message, claimed.outcome)
+            say.took_over(self._events, execution, message, claimed.outcome)
         else:
-            self._started(execution, message, claimed.outcome)
+            say.started(self._events, execution, message, claimed.outcome)
         if claimed.arguments is not None:
             latest = self._options.broker.formatter.loads(base64.b64decode(claimed.arguments))
             message.args, message.kwargs = latest.args, latest.kwargs
-
-    def _failing(
-        self,
-        execution: Execution,
-        recorded: RecordedLock,
-        message: TaskiqMessage,
-        run: Lock | None,
-        exc: BaseException,
-    ) -> _Failing:
-        """Say that a run could not claim its lock as it begins, because Redis failed.
-
-        An exclusive run then waits for Redis, for at most its run slot's lease:
-        another run of its key may go on, and past that lease it would have
-        lapsed in the same outage (unless that run still reaches Redis: a
-        worker cut off from it, the one case a fence tells). With ``fail_open``,
-        and for a run that is not exclusive, it runs at once.
-        """
-        waits = 0.0 if run is None or self._options.fail_open else run.ttl_ms / 1000
-        if (
-            recorded.merge is None
-            and recorded.fence is None
-            and (execution.policy.at_start is Step.REASSERT)
-        ):
-            text = "Could not re-assert lock %r of task %s (%s)"
-            args: tuple[object, ...] = (execution.lock.key, message.task_name, message.task_id)
-        else:
-            text = "Could not begin the run of task %s (%s) with lock %r"
-            args = (message.task_name, message.task_id, execution.lock.key)
-        if waits:
-            text += ": %s: %s; it waits for Redis, at most %ds, before it runs"
-            logger.warning(text, *args, type(exc).__name__, exc, waits)
-        else:
-            text += ": %s: %s; " + _NOT_BEGUN
-            logger.warning(text, *args, type(exc).__name__, exc)
-        return _Failing(asyncio.get_running_loop().time() + waits, waited=bool(waits))
 
     def _run_slot(
         self, execution: Execution, recorded: RecordedLock, state: LoopState
@@ -418,57 +354,6 @@ class Runs:
     def _poll(self, execution: Execution, run: Lock | None) -> float:
         """Seconds between two looks of a run that waits for another run of its key."""
         return min(self._interval(execution, run) / 4, _MAX_POLL)
-
-    def _waits(self, execution: Execution, message: TaskiqMessage, slot: str) -> None:
-        holder = holder_task_id(slot)
-        logger.info(
-            "Task %s (%s) waits to run: %s goes on under its lock %r",
-            message.task_name,
-            message.task_id,
-            "another run of this task" if holder == message.task_id else f"task {holder}",
-            execution.lock.key,
-        )
-        self._events.emit(
-            LockEventKind.WAITING, message.task_name, message.task_id, execution.lock.key, holder
-        )
-
-    def _skip(self, execution: Execution, message: TaskiqMessage, slot: str) -> None:
-        """End a delivery that must not run: its run succeeded, or a retry carries it on."""
-        execution.skipped = True
-        logger.info(
-            "Task %s (%s) not run: the broker delivered it again, and %s (lock %r)",
-            message.task_name,
-            message.task_id,
-            "its run succeeded"
-            if slot.startswith(SUCCEEDED_MARK)
-            else "a retry of it took its lock over",
-            execution.lock.key,
-        )
-        self._events.emit(
-            LockEventKind.SKIPPED,
-            message.task_name,
-            message.task_id,
-            execution.lock.key,
-            holder_task_id(slot),
-        )
-
-    def _took_over(self, execution: Execution, message: TaskiqMessage, holder: str) -> None:
-        """Say that an exclusive run took its lock from a send that was queued meanwhile."""
-        logger.warning(
-            "Lock %r of task %s (%s) had expired while the task was queued and task %s "
-            "took it; this run takes it back, and that task's run will wait for it",
-            execution.lock.key,
-            message.task_name,
-            message.task_id,
-            holder_task_id(holder),
-        )
-        self._events.emit(
-            LockEventKind.TAKEN_BACK,
-            message.task_name,
-            message.task_id,
-            execution.lock.key,
-            message.task_id,
-        )
 
     async def _finish(
         self, execution: Execution, message: TaskiqMessage, *, passed_on: bool, succeeded: bool
@@ -558,28 +443,3 @@ def _linger(execution: Execution) -> float:
     yet) nor at its end (stopped first).
     """
     return _RUN_LINGER if len(execution.state.heartbeat) else 0.0
-
-
-@dataclass(slots=True)
-class _Failing:
-    """A run whose claim failed on a Redis error: until when it tries again."""
-
-    until: float
-    waited: bool
-
-    def delay(self, poll: float) -> float | None:
-        """Seconds to wait before the next try, or ``None`` to run without the claim."""
-        left = self.until - asyncio.get_running_loop().time()
-        return None if left <= 0 else min(poll, left)
-
-    def gives_up(self, execution: Execution, message: TaskiqMessage) -> None:
-        """Say that the run goes on without its claim, after waiting for Redis."""
-        if self.waited:
-            text = "Task %s (%s) runs without its lock %r: Redis did not answer for a lease; "
-            text += _NOT_BEGUN
-            logger.warning(
-                text,
-                message.task_name,
-                message.task_id,
-                execution.lock.key,
-            )
