@@ -20,19 +20,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
-import pydantic
-import pydantic_core
-from redis.asyncio import Redis
-from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.connection import parse_url
-
 from taskiq_deduplication._policies import FINISHED, POLICIES, Policy
 from taskiq_deduplication.exceptions import InvalidSettingError
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
-    from pydantic import RedisDsn
     from taskiq.abc.broker import AsyncBroker
 
 #: The prefix of every key when the ``key_prefix`` option says nothing.
@@ -253,34 +246,6 @@ def read_running_ttl(labels: Mapping[str, Any], *, default: int | None) -> int |
 
 
 # Options
-
-# A RedisDsn, as every pydantic 2 spells it: from 2.10 on a subclass of AnyUrl;
-# before, an Annotated alias of pydantic_core.Url, which isinstance() refuses.
-_PYDANTIC_URLS: Final = (pydantic.AnyUrl, pydantic_core.Url, pydantic_core.MultiHostUrl)
-
-
-def check_connection(redis_url: str | RedisDsn | None, client: object) -> str | None:
-    if (redis_url is None) == (client is None):
-        msg = "pass exactly one of redis_url and client"
-        raise InvalidSettingError(msg)
-    if client is not None:
-        if not isinstance(client, (Redis, RedisCluster)):
-            msg = (
-                f"client must be a redis.asyncio Redis or RedisCluster client, "
-                f"not {type(client).__name__}"
-            )
-            raise InvalidSettingError(msg)
-        return None
-    url = str(redis_url) if isinstance(redis_url, _PYDANTIC_URLS) else redis_url
-    if not isinstance(url, str) or not url:
-        msg = f"redis_url must be a non-empty string or RedisDsn, not {redis_url!r}"
-        raise InvalidSettingError(msg)
-    try:
-        parse_url(url)
-    except ValueError as exc:
-        msg = f"redis_url {url!r} is not a Redis URL: {exc}"
-        raise InvalidSettingError(msg) from None
-    return url
 
 
 def check_bool(name: str, value: object) -> bool:

@@ -19,7 +19,7 @@ from taskiq import TaskiqMessage, TaskiqMiddleware, TaskiqResult
 
 from taskiq_deduplication import _settings as settings
 from taskiq_deduplication import _tracing as tracing
-from taskiq_deduplication._client import client_from_url
+from taskiq_deduplication._client import check_connection, client_from_url
 from taskiq_deduplication._execution import Executions, follow_runs
 from taskiq_deduplication._loops import LoopStates, register_states
 from taskiq_deduplication._metrics import Metrics, process_metrics
@@ -133,7 +133,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             ValueError: An option is missing, of the wrong type or out of range.
         """
         super().__init__()
-        self._url = settings.check_connection(redis_url, client)
+        self._url = check_connection(redis_url, client)
         self._client = client
         self.default_deduplication = settings.check_bool(
             "default_deduplication", default_deduplication
