@@ -1,14 +1,12 @@
-"""Every setting, read once: the middleware's options and the task labels alike.
+"""Every setting, read once: an option and its label alike.
 
-A setting that is both an option and a label (``default_ttl`` and
-``deduplication_ttl``, ``default_until`` and ``deduplication_until``, ...) is
-parsed by one function, which takes a label's string form too: taskiq turns
-every label into a string before any middleware sees it (``deduplication=False``
-arrives as ``"False"``, ``deduplication_key_fields=["a"]`` as ``"['a']"``), and
-scheduled sends lose even the type table the worker uses to turn them back.
-Options are typed Python values and are never read from a string. Labels are
-strict on the sender and tolerant on the worker; their parsing is cached per
-raw value, since the same few label values come back on every ``kiq``.
+An option and its label (``default_ttl``, ``deduplication_ttl``) are parsed by
+one function, which reads a label's string form too: taskiq turns every label
+into a string before any middleware sees it (``deduplication=False`` arrives as
+``"False"``, ``deduplication_key_fields=["a"]`` as ``"['a']"``), and scheduled
+sends lose even the type table the worker uses to turn them back. Options are
+typed values, never read from a string. Labels are strict on the sender and
+tolerant on the worker, and parsed once per raw value.
 """
 
 from __future__ import annotations
