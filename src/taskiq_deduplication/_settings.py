@@ -399,20 +399,23 @@ def _parse_bool(value: object, *, text: bool) -> bool:
 
 @functools.lru_cache(maxsize=256, typed=True)
 def _parse_ttl(value: object, *, text: bool) -> int:
+    return _whole_seconds(value, text=text, least=1, what="the TTL")
+
+
+def _whole_seconds(value: object, *, text: bool, least: int, what: str) -> int:
+    """Whole seconds from ``least`` to ten years (from a string too, with ``text``)."""
     if isinstance(value, bool):
         msg = "expected a whole number of seconds, not a boolean"
         raise ValueError(msg)
-    if isinstance(value, int):
-        seconds = value
-    elif text and isinstance(value, str) and value.strip().lstrip("+-").isdigit():
-        seconds = int(value)
-    else:
+    if text and isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        value = int(value)
+    if not isinstance(value, int):
         msg = "expected a whole number of seconds"
         raise ValueError(msg)
-    if not 1 <= seconds <= MAX_TTL:
-        msg = f"the TTL must be from 1 to {MAX_TTL} seconds (ten years)"
+    if not least <= value <= MAX_TTL:
+        msg = f"{what} must be from {least} to {MAX_TTL} seconds (ten years)"
         raise ValueError(msg)
-    return seconds
+    return value
 
 
 @functools.lru_cache(maxsize=256, typed=True)
@@ -480,15 +483,7 @@ def _parse_until(value: object, *, text: bool) -> Policy:
 
 @functools.lru_cache(maxsize=256, typed=True)
 def _parse_success_ttl(value: object, *, text: bool) -> int:
-    if text and isinstance(value, str) and value.strip().lstrip("+-").isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        msg = "expected a whole number of seconds"
-        raise ValueError(msg)
-    if not 0 <= value <= MAX_TTL:
-        msg = f"the success TTL must be from 0 to {MAX_TTL} seconds (ten years)"
-        raise ValueError(msg)
-    return value
+    return _whole_seconds(value, text=text, least=0, what="the success TTL")
 
 
 @functools.lru_cache(maxsize=64, typed=True)
