@@ -26,9 +26,6 @@ if TYPE_CHECKING:
 
     from taskiq.abc.broker import AsyncBroker
 
-#: The prefix of every key when the ``key_prefix`` option says nothing.
-DEFAULT_PREFIX: Final = "taskiq:deduplication"
-
 ENABLED_LABEL: Final = "deduplication"
 TTL_LABEL: Final = "deduplication_ttl"
 KEY_LABEL: Final = "deduplication_key"

@@ -21,6 +21,7 @@ from taskiq_deduplication import _settings as settings
 from taskiq_deduplication import _tracing as tracing
 from taskiq_deduplication._client import check_connection, client_from_url
 from taskiq_deduplication._execution import Executions, follow_runs
+from taskiq_deduplication._formats import DEFAULT_PREFIX, DEFAULT_UNTIL
 from taskiq_deduplication._loops import LoopStates, register_states
 from taskiq_deduplication._metrics import Metrics, process_metrics
 from taskiq_deduplication._pending import PendingSends
@@ -70,14 +71,14 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         *,
         default_deduplication: bool = True,
         default_ttl: int = 300,
-        key_prefix: str = settings.DEFAULT_PREFIX,
+        key_prefix: str = DEFAULT_PREFIX,
         startup_retries: int = 3,
         startup_retry_delay: float = 1.0,
         heartbeat: bool = True,
         heartbeat_interval: float | None = None,
         fail_open: bool = False,
         running_ttl: int | None = None,
-        default_until: str = "finished",
+        default_until: str = DEFAULT_UNTIL,
         default_success_ttl: int = 0,
         client: Redis | RedisCluster | None = None,
         metrics: bool = True,
@@ -93,7 +94,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 ``deduplication`` label says otherwise.
             default_ttl: Lock TTL in seconds, unless the ``deduplication_ttl``
                 label sets one.
-            key_prefix: Prefix of every lock key.
+            key_prefix: Prefix of every lock key: ``"taskiq:deduplication"`` unless set.
             startup_retries: Connection attempts when the broker starts.
             startup_retry_delay: Seconds before the second attempt, doubled
                 before each one after it.
@@ -109,8 +110,8 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 full TTL throughout. The ``deduplication_running_ttl`` label
                 sets it per task; it needs the heartbeat.
             default_until: How long a call counts as a duplicate, unless the
-                ``deduplication_until`` label says: ``"finished"`` (while its
-                task is queued or running), ``"started"`` (while it is queued)
+                ``deduplication_until`` label says: ``"finished"`` (the default:
+                while its task is queued or running), ``"started"`` (while it is queued)
                 or ``"expired"`` (for the TTL from the send, however the run
                 ends).
             default_success_ttl: Seconds a lock of the ``"finished"`` policy
