@@ -10,22 +10,23 @@ which keeps them in order and sends those issued in the same instant together.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import TYPE_CHECKING, Final
 
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import RedisClusterException, RedisError
 
 from taskiq_deduplication._formats import lock_value
 from taskiq_deduplication._pipeline import (
     MAX_QUEUED,
-    CallTimeoutError,
     Pipeline,
     ScriptCall,
     text,
 )
+
+# Listed in exceptions.py; re-exported for the modules that take locks.
+from taskiq_deduplication.exceptions import REDIS_ERRORS as REDIS_ERRORS  # noqa: PLC0414
+from taskiq_deduplication.exceptions import CallTimeoutError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -35,9 +36,6 @@ if TYPE_CHECKING:
 
     RedisClient = Redis | RedisCluster
 
-#: The errors that mean "Redis could not be reached or did not answer". A cluster
-#: client that reaches no node raises RedisClusterException, which is no RedisError.
-REDIS_ERRORS: Final = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
 
 # Most locks in one re-assert call.
 _MAX_KEYS_PER_REASSERT: Final = 500
