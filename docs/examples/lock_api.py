@@ -33,9 +33,9 @@ async def tool() -> None:
         for lock in held:
             left = math.ceil(lock.ttl) if lock.ttl is not None else "no"
             print(f"{lock.key}: held by {lock.holder_task_id}, {left} s left")
-        lock = await locks.get("nightly-export")  # a name, or the full key
-        if lock is not None and await locks.release(lock):  # if it has not changed hands
-            print(f"released {lock.key}")
+        export = await locks.get("nightly-export")  # a name, or the full key
+        if export is not None and await locks.release(export):  # unless it changed hands
+            print(f"released {export.key}")
 
 
 # --8<-- [end:tool]

@@ -13,10 +13,10 @@ key a call would take::
 
 Locks are found with ``SCAN`` (never ``KEYS``), on every primary of a cluster,
 a batch at a time, and each batch is read in one pipelined round trip (``GET``
-and ``PTTL`` per key). A release is owner-checked, as the middleware's own is,
-so it deletes only the lock that was read, never one a new send took meanwhile;
-what belongs to the lock (the arguments merged into its queued task) goes in the
-same step.
+and ``PTTL`` per key); the mechanics are in `_inspect.py`. A release is
+owner-checked, as the middleware's own is, so it deletes only the lock that was
+read, never one a new send took meanwhile; what belongs to the lock (the
+arguments merged into its queued task) goes in the same step.
 """
 
 from __future__ import annotations
@@ -27,17 +27,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from redis.asyncio import Redis
-from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.crc import key_slot
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoPermissionError
 from taskiq.kicker import AsyncKicker
 
+from taskiq_deduplication import _inspect as inspect
 from taskiq_deduplication._client import connect
 from taskiq_deduplication._formats import (
     KEY_SEPARATOR,
     RUN_MARK,
     SUCCEEDED_MARK,
-    belonging_keys,
     holder_task_id,
     key_pattern,
     lock_key,
@@ -47,7 +46,7 @@ from taskiq_deduplication._formats import (
 from taskiq_deduplication._options import check_prefix
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+    from collections.abc import AsyncIterator, Awaitable, Callable
     from types import TracebackType
 
     from taskiq import TaskiqMessage
@@ -62,10 +61,6 @@ DEFAULT_PREFIX: Final = "taskiq:deduplication"
 #: Keys asked of each ``SCAN`` call by default: enough to cross a large keyspace
 #: in few round trips, few enough that no single call holds the server up.
 SCAN_COUNT: Final = 1000
-# Keys whose locks are read (and released) in one pipelined round trip.
-_BATCH: Final = 1000
-# What PTTL answers for a key that does not exist.
-_NO_SUCH_KEY: Final = -2
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,11 +229,11 @@ class Locks:
         """
         client = await self._client()
         first, *other = self.lookup_keys(key)
-        found = await _read_locks(client, [first], self._prefix)
+        found = [self._info(read) for read in await inspect.read_locks(client, [first])]
         if other and not any(lock.holder_task_id is not None for lock in found):
             # A key outside what the Redis user may read holds no lock of theirs.
             with contextlib.suppress(NoPermissionError):
-                found += await _read_locks(client, other, self._prefix)
+                found += [self._info(read) for read in await inspect.read_locks(client, other)]
         ours = (lock for lock in found if lock.holder_task_id is not None)
         return next(ours, found[0] if found else None)
 
@@ -264,8 +259,9 @@ class Locks:
         """
         client = await self._client()
         pattern = key_pattern(self._prefix, match)
-        async for batch in _lock_batches(client, pattern, self._prefix, count):
-            for lock in batch:
+        async for batch in inspect.lock_batches(client, pattern, count):
+            for read in batch:
+                lock = self._info(read)
                 if holder_task_id is None or lock.holder_task_id == holder_task_id:
                     yield lock
 
@@ -301,7 +297,7 @@ class Locks:
         owner = lock.owner if owner is None else owner
         if owner is None:
             return False
-        (released,) = await _release(await self._client(), [(lock.key, owner)])
+        (released,) = await inspect.release(await self._client(), [(lock.key, owner)])
         return released
 
     async def purge(self) -> int:
@@ -320,11 +316,11 @@ class Locks:
         deleted = 0
         for pattern in namespace_patterns(self._prefix):
             for node in primaries:
-                async for keys in _scan(client, pattern, SCAN_COUNT, node):
+                async for keys in inspect.scan(client, pattern, SCAN_COUNT, node):
                     # One DEL per key: on a cluster the keys of a batch span slots.
                     pipe: Any = client.pipeline(transaction=False)
                     for key in keys:
-                        pipe.delete(_raw(key))
+                        pipe.delete(inspect.raw(key))
                     deleted += sum(await pipe.execute())
         return deleted
 
@@ -357,6 +353,22 @@ class Locks:
         kicker: AsyncKicker[..., Any] = AsyncKicker(task.task_name, task.broker, dict(task.labels))
         return self._key_of(kicker._prepare_message(*args, **kwargs))  # noqa: SLF001 (taskiq's own way to build the message kiq sends)
 
+    def _info(self, read: inspect.Read) -> LockInfo:
+        key, value, ttl = read
+        holder = holder_task_id(value)
+        owner = value.partition(" ")[0] if holder is not None else None
+        return LockInfo(
+            key=key,
+            name=lock_name(self._prefix, key),
+            holder_task_id=holder,
+            owner=owner,
+            ttl=ttl / 1000 if ttl is not None and ttl >= 0 else None,
+            ttl_readable=ttl is not None,
+            running=owner is not None and owner.startswith(RUN_MARK),
+            succeeded=owner is not None and owner.startswith(SUCCEEDED_MARK),
+            value=value,
+        )
+
     async def _client(self) -> RedisClient:
         if isinstance(self._source, (Redis, RedisCluster)):
             return self._source
@@ -381,170 +393,3 @@ class _Connection:
         client, self._client = self._client, None
         if client is not None:
             await client.aclose()
-
-
-# Reading and releasing, a batch at a time
-
-
-async def _lock_batches(
-    client: RedisClient, pattern: str, prefix: str, count: int
-) -> AsyncIterator[list[LockInfo]]:
-    """The locks whose keys match ``pattern``, a batch at a time, from every primary."""
-    if not isinstance(client, RedisCluster):
-        async for keys in _scan(client, pattern, count):
-            yield await _read_locks(client, keys, prefix)
-        return
-    queue: asyncio.Queue[list[LockInfo] | BaseException | None] = asyncio.Queue(maxsize=4)
-
-    async def scan_node(node: ClusterNode) -> None:
-        async for keys in _scan(client, pattern, count, node):
-            await queue.put(await _read_locks(client, keys, prefix))
-
-    async def scan_all() -> None:
-        try:
-            await asyncio.gather(*(scan_node(node) for node in client.get_primaries()))
-        except Exception as exc:  # noqa: BLE001 (handed to the reader, raised there)
-            await queue.put(exc)
-        else:
-            await queue.put(None)
-
-    scanning = asyncio.ensure_future(scan_all())
-    try:
-        while (batch := await queue.get()) is not None:
-            if isinstance(batch, BaseException):
-                raise batch
-            yield batch
-    finally:
-        scanning.cancel()
-        await asyncio.gather(scanning, return_exceptions=True)
-
-
-async def _scan(
-    client: RedisClient, pattern: str, count: int, node: ClusterNode | None = None
-) -> AsyncIterator[list[str]]:
-    cursor = 0
-    while True:
-        if node is None:
-            reply: Any = await client.scan(cursor, match=pattern, count=count)
-            cursor, keys = reply
-        else:
-            reply = await client.scan(cursor, match=pattern, count=count, target_nodes=node)
-            cursors, keys = reply
-            cursor = cursors[node.name]
-        if keys:
-            yield [_text(key) for key in keys]
-        if int(cursor) == 0:
-            return
-
-
-async def _read_locks(client: RedisClient, keys: Sequence[str], prefix: str) -> list[LockInfo]:
-    """Read the locks at ``keys`` in one round trip per batch; keys that hold none are left out."""
-    found: list[LockInfo] = []
-    for start in range(0, len(keys), _BATCH):
-        batch = keys[start : start + _BATCH]
-        pipe: Any = client.pipeline(transaction=False)
-        for key in batch:
-            pipe.get(_raw(key))
-            pipe.pttl(_raw(key))
-        replies: list[Any] = await pipe.execute(raise_on_error=False)
-        for index, key in enumerate(batch):
-            value, ttl = replies[2 * index], replies[2 * index + 1]
-            if isinstance(value, NoPermissionError):
-                raise value
-            if value is None or isinstance(value, BaseException):
-                continue  # gone since the scan, or not a string: no lock of ours
-            readable = not isinstance(ttl, NoPermissionError)
-            found.append(_lock_info(key, _text(value), ttl if readable else None, prefix))
-    return found
-
-
-def _lock_info(key: str, value: str, ttl: int | None, prefix: str) -> LockInfo:
-    """The lock at ``key``; ``ttl`` is what ``PTTL`` answered, ``None`` if it was denied."""
-    holder = holder_task_id(value)
-    owner = value.partition(" ")[0] if holder is not None else None
-    return LockInfo(
-        key=key,
-        name=lock_name(prefix, key),
-        holder_task_id=holder,
-        owner=owner,
-        ttl=ttl / 1000 if ttl is not None and ttl >= 0 else None,
-        ttl_readable=ttl is not None,
-        running=owner is not None and owner.startswith(RUN_MARK),
-        succeeded=owner is not None and owner.startswith(SUCCEEDED_MARK),
-        value=value,
-    )
-
-
-async def _release(client: RedisClient, locks: Sequence[tuple[str, str]]) -> list[bool]:
-    """Release each lock ``(key, owner)`` if its owner is still ``owner``.
-
-    What belongs to a lock (its merged arguments) is deleted with it, in the
-    same owner-checked step. Those keys are found first, one round trip per
-    batch, and only those found are named to the script: a key that a Redis
-    user may not touch would fail the whole script. Nothing can add one to a
-    lock whose owner is unchanged (a send takes its lock and merge key at once),
-    so what was found is what belongs to the lock when it is released.
-    """
-    # Only here: the lock store (and its pipeline) is not needed to read locks.
-    from taskiq_deduplication._lock import load_script  # noqa: PLC0415
-
-    script = load_script(client, "release_with")
-    released: list[bool] = []
-    for start in range(0, len(locks), _BATCH):
-        batch = locks[start : start + _BATCH]
-        belonging = await _belonging(client, [key for key, _ in batch])
-        # One call at a time through the script object keeps its EVALSHA-then-load
-        # fallback; gathered, they share the client's connections.
-        replies = await asyncio.gather(
-            *(
-                script(keys=[_raw(key), *keys], args=[owner])
-                for (key, owner), keys in zip(batch, belonging, strict=True)
-            )
-        )
-        released += [int(reply) == 1 for reply in replies]
-    return released
-
-
-async def _belonging(client: RedisClient, locks: Sequence[str]) -> list[list[bytes]]:
-    """For each lock key, the keys that belong to it and exist now: one round trip.
-
-    Each is asked with ``PTTL`` (-2: no such key), which the operator's Redis
-    user may run already; one it may not read is left out. On a cluster only
-    those in the lock's slot can exist: a lock and its merge key are taken by
-    one script.
-    """
-    cluster = isinstance(client, RedisCluster)
-    candidates: list[list[bytes]] = []
-    for lock in locks:
-        keys = [_raw(key) for key in belonging_keys(lock)]
-        if cluster:
-            slot = key_slot(_raw(lock))
-            keys = [key for key in keys if key_slot(key) == slot]
-        candidates.append(keys)
-    if not any(candidates):
-        return candidates
-    pipe: Any = client.pipeline(transaction=False)
-    for keys in candidates:
-        for key in keys:
-            pipe.pttl(key)
-    replies = iter(await pipe.execute(raise_on_error=False))
-    found: list[list[bytes]] = []
-    for keys in candidates:
-        ttls = [next(replies) for _ in keys]
-        found.append(
-            [
-                key
-                for key, ttl in zip(keys, ttls, strict=True)
-                if isinstance(ttl, int) and ttl != _NO_SUCH_KEY
-            ]
-        )
-    return found
-
-
-def _text(value: bytes | str) -> str:
-    """A reply as text: a key that is not UTF-8 keeps its bytes, escaped."""
-    return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else value
-
-
-def _raw(key: str) -> bytes:
-    return key.encode("utf-8", "surrogateescape")

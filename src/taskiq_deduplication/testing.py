@@ -317,9 +317,10 @@ class Deduplication:
             return {lock.key: lock.holder_task_id async for lock in locks.scan()}
 
     async def release_all(self) -> int:
-        """Delete every lock under this test's prefix; return how many there were.
+        """Release every lock under this test's prefix; return how many there were.
 
-        What belongs to a lock goes with it: the arguments merged into a
+        Each as [Locks.release][taskiq_deduplication.Locks.release] does, so
+        what belongs to a lock goes with it: the arguments merged into a
         queued task. The fence counter stays, so fences still only grow.
         """
         async with self._locks() as locks:
