@@ -287,8 +287,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         """The Redis URL the middleware connects to; ``None`` if it was given a ``client``."""
         return self._url
 
-    # The class-level import keeps the annotation resolvable without a module
-    # import at the top (the locks API is loaded only when it is used).
+    # For the annotation of `locks` only; locks.py is imported when `locks` is used.
     if TYPE_CHECKING:
         from taskiq_deduplication.locks import Locks  # noqa: PLC0415 (see above)
 
