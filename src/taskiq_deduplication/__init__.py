@@ -16,24 +16,39 @@ if TYPE_CHECKING:
     from taskiq_deduplication.calls import JoinedTask, TaskLock, kiq_or_join
     from taskiq_deduplication.events import LockEvent, LockEventKind
     from taskiq_deduplication.exceptions import (
+        BacklogFullError,
+        CallTimeoutError,
         DeduplicationError,
         DuplicateTaskError,
+        InvalidSettingError,
         NoLockError,
+        PipelineClosedError,
+        StartupError,
+        UnencodableCallError,
     )
+    from taskiq_deduplication.locks import LockInfo, Locks
     from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
     from taskiq_deduplication.scheduler import DeduplicatedScheduleSource, DeduplicationScheduler
 
 __all__ = [
+    "BacklogFullError",
+    "CallTimeoutError",
     "DeduplicatedScheduleSource",
     "DeduplicationError",
     "DeduplicationScheduler",
     "DuplicateTaskError",
+    "InvalidSettingError",
     "JoinedTask",
     "LockEvent",
     "LockEventKind",
+    "LockInfo",
+    "Locks",
     "NoLockError",
+    "PipelineClosedError",
     "RedisDeduplicationMiddleware",
+    "StartupError",
     "TaskLock",
+    "UnencodableCallError",
     "__version__",
     "kiq_or_join",
 ]
@@ -42,16 +57,24 @@ __all__ = [
 # `taskiq` command loads `taskiq dedup` (an entry point), and its start should
 # not pay for the middleware and the Redis client when it needs neither.
 _MODULES: Final = {
+    "BacklogFullError": "exceptions",
+    "CallTimeoutError": "exceptions",
     "DeduplicatedScheduleSource": "scheduler",
     "DeduplicationError": "exceptions",
     "DeduplicationScheduler": "scheduler",
     "DuplicateTaskError": "exceptions",
+    "InvalidSettingError": "exceptions",
     "JoinedTask": "calls",
     "LockEvent": "events",
     "LockEventKind": "events",
+    "LockInfo": "locks",
+    "Locks": "locks",
     "NoLockError": "exceptions",
+    "PipelineClosedError": "exceptions",
     "RedisDeduplicationMiddleware": "middleware",
+    "StartupError": "exceptions",
     "TaskLock": "calls",
+    "UnencodableCallError": "exceptions",
     "kiq_or_join": "calls",
 }
 

@@ -31,8 +31,9 @@ from taskiq_deduplication._formats import (
 )
 from taskiq_deduplication._heartbeat import Beat
 from taskiq_deduplication._policies import FINISHED, POLICIES, Step
-from taskiq_deduplication._store import REDIS_ERRORS, Claimed, Lock
+from taskiq_deduplication._store import Claimed, Lock
 from taskiq_deduplication.events import LockEventKind
+from taskiq_deduplication.exceptions import REDIS_ERRORS
 
 if TYPE_CHECKING:
     from taskiq import TaskiqMessage, TaskiqResult

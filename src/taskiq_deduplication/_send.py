@@ -34,10 +34,10 @@ from taskiq_deduplication._formats import (
 )
 from taskiq_deduplication._pending import PendingSend
 from taskiq_deduplication._policies import RetrySend
-from taskiq_deduplication._store import REDIS_ERRORS, Acquired, Lock
+from taskiq_deduplication._store import Acquired, Lock
 from taskiq_deduplication.calls import joining, takes_task_lock
 from taskiq_deduplication.events import LockEventKind
-from taskiq_deduplication.exceptions import DuplicateTaskError, InvalidSettingError
+from taskiq_deduplication.exceptions import REDIS_ERRORS, DuplicateTaskError, InvalidSettingError
 
 if TYPE_CHECKING:
     from taskiq import BrokerMessage

@@ -27,9 +27,9 @@ from taskiq_deduplication._metrics import Metrics, process_metrics
 from taskiq_deduplication._pending import PendingSends
 from taskiq_deduplication._run import Runs
 from taskiq_deduplication._send import Sends
-from taskiq_deduplication._store import REDIS_ERRORS
 from taskiq_deduplication.events import EventSink, Subscriber
-from taskiq_deduplication.exceptions import StartupError
+from taskiq_deduplication.exceptions import REDIS_ERRORS, StartupError
+from taskiq_deduplication.locks import Locks
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -198,6 +198,37 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             TypeError: ``subscriber`` is not callable.
         """
         return self._events.subscribe(subscriber)
+
+    @property
+    def subscribers(self) -> tuple[Subscriber, ...]:
+        """Who ``subscribe()`` subscribed and is still subscribed, in order.
+
+        The middleware's own Prometheus recorder is not among them: another
+        middleware that takes these subscribers over records its own metrics.
+        """
+        own = self._metrics.record if self._metrics is not None else None
+        return tuple(s for s in self._events.subscribers if s != own)
+
+    @property
+    def redis_url(self) -> str | None:
+        """The Redis URL the middleware connects to; ``None`` if it was given a ``client``."""
+        return self._url
+
+    @property
+    def locks(self) -> Locks:
+        """The locks of this middleware, for tools: [Locks][taskiq_deduplication.Locks].
+
+        Bound to its ``key_prefix`` and to the client of the event loop it is
+        used in (the middleware's own, made on first use as a send would), and
+        able to compute the key a call takes
+        ([key_for][taskiq_deduplication.Locks.key_for]) with the middleware's
+        options, as ``kiq`` does.
+        """
+
+        async def client() -> RedisClient:
+            return (self._states.get() or await self._states.current()).client
+
+        return Locks(client, prefix=self.key_prefix, key_of=self._send_key)
 
     # Startup and shutdown
 
