@@ -106,13 +106,13 @@ def _sentinel_client(url: str) -> Redis:
     path = [segment for segment in parts.path.split("/") if segment]
     if not hosts or not 1 <= len(path) <= 2 or (len(path) == 2 and not path[1].isdigit()):  # noqa: PLR2004 (service and db)
         msg = f"expected {SENTINEL_SCHEME}://host:port[,host:port...]/service[/db]"
-        raise ValueError(msg)
+        raise InvalidSettingError(msg)
     addresses = []
     for address in hosts.split(","):
         host, _, port = address.rpartition(":") if ":" in address else (address, "", "")
         if port and not port.isdigit():
             msg = f"bad port in sentinel address {address!r}"
-            raise ValueError(msg)
+            raise InvalidSettingError(msg)
         addresses.append((host, int(port) if port else _SENTINEL_PORT))
     user, _, password = credentials.partition(":")
     sentinels = Sentinel(addresses, socket_timeout=_TIMEOUT)  # type: ignore[no-untyped-call]

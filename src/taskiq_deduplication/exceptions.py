@@ -101,8 +101,37 @@ class InvalidSettingError(DeduplicationError, ValueError):
     """An option or label has a value that is not valid; the message names it."""
 
 
+class InvalidArgumentError(DeduplicationError, TypeError):
+    """A function of the library was given a value of the wrong kind; the message says which.
+
+    A subscriber that is not callable, ``Locks.key_for`` on locks that are not
+    a middleware's, a module attribute that is not a taskiq broker.
+    """
+
+
+class UnfingerprintableError(InvalidArgumentError):
+    """A call's arguments cannot be fingerprinted, so ``kiq()`` cannot name its lock.
+
+    Raised from ``kiq()`` for a value that neither JSON nor pydantic can encode,
+    or nesting too deep to be anything but a circular reference. Pass values
+    that taskiq can serialise, or choose the lock key with the
+    ``deduplication_key`` label. A ``TypeError``.
+    """
+
+
+class MissingMiddlewareError(DeduplicationError, LookupError):
+    """A broker was expected to carry a ``RedisDeduplicationMiddleware`` and does not."""
+
+
 class StartupError(DeduplicationError, ConnectionError):
     """The middleware could not reach Redis when the broker started."""
+
+
+class WorkerStartError(DeduplicationError, RuntimeError):
+    """A ``taskiq worker`` that the pytest plugin started did not begin listening.
+
+    The message ends with the last lines of the worker's output.
+    """
 
 
 class NoLockError(DeduplicationError, LookupError):

@@ -44,6 +44,7 @@ from taskiq_deduplication._formats import (
     namespace_patterns,
 )
 from taskiq_deduplication._settings import check_prefix
+from taskiq_deduplication.exceptions import InvalidArgumentError
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable
@@ -339,15 +340,16 @@ class Locks:
             **kwargs: The call's keyword arguments.
 
         Raises:
-            TypeError: These locks are not a middleware's (``locks`` of the
-                middleware computes keys), or the arguments cannot be
-                fingerprinted, as ``kiq`` would say.
+            InvalidArgumentError: These locks are not a middleware's (``locks``
+                of the middleware computes keys).
+            UnfingerprintableError: The arguments cannot be fingerprinted, as
+                ``kiq`` would say.
             InvalidSettingError: A deduplication label is invalid, as ``kiq``
                 would say (a ``ValueError``).
         """
         if self._key_of is None:
             msg = "key_for needs the locks of a middleware: RedisDeduplicationMiddleware.locks"
-            raise TypeError(msg)
+            raise InvalidArgumentError(msg)
         # The message exactly as kiq() builds it: the task's labels and the
         # call's as strings, pydantic models and dataclasses as dicts.
         kicker: AsyncKicker[..., Any] = AsyncKicker(task.task_name, task.broker, dict(task.labels))

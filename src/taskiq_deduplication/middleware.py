@@ -28,7 +28,7 @@ from taskiq_deduplication._pending import PendingSends
 from taskiq_deduplication._run import Runs
 from taskiq_deduplication._send import Sends
 from taskiq_deduplication.events import EventSink, Subscriber
-from taskiq_deduplication.exceptions import REDIS_ERRORS, StartupError
+from taskiq_deduplication.exceptions import REDIS_ERRORS, InvalidSettingError, StartupError
 from taskiq_deduplication.locks import Locks
 
 if TYPE_CHECKING:
@@ -195,7 +195,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             A function that ends the subscription.
 
         Raises:
-            TypeError: ``subscriber`` is not callable.
+            InvalidArgumentError: ``subscriber`` is not callable (a ``TypeError``).
         """
         return self._events.subscribe(subscriber)
 
@@ -236,7 +236,8 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         """Register on ``broker``; taskiq calls this from ``with_middlewares``.
 
         Raises:
-            ValueError: The middleware is registered on another broker already.
+            InvalidSettingError: The middleware is registered on another broker
+                already (a ``ValueError``).
                 Shutting either broker down would stop the locks of the other's
                 running tasks; give each broker a middleware of its own (with the
                 same ``redis_url`` and ``key_prefix`` they share their locks).
@@ -248,7 +249,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 f"{type(current).__name__} already; give each broker a middleware of "
                 "its own (middlewares with the same redis_url and key_prefix share locks)"
             )
-            raise ValueError(msg)
+            raise InvalidSettingError(msg)
         if current is None:
             _watch_kick(broker, self._sends.refused)
             follow_runs(broker, self._executions)
@@ -317,7 +318,8 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         Raises:
             DuplicateTaskError: Another send holds the lock.
             ValueError: A deduplication label has an invalid value.
-            TypeError: The arguments cannot be fingerprinted.
+            UnfingerprintableError: The arguments cannot be fingerprinted (a
+                ``TypeError``).
             redis.exceptions.RedisError: Redis failed and ``fail_open`` is off (a
                 cluster client that reaches no node raises
                 ``redis.exceptions.RedisClusterException`` instead).

@@ -46,6 +46,11 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 import pytest
 from taskiq import AsyncBroker
 
+from taskiq_deduplication.exceptions import (
+    InvalidArgumentError,
+    MissingMiddlewareError,
+    WorkerStartError,
+)
 from taskiq_deduplication.locks import Locks
 from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
 
@@ -385,7 +390,7 @@ class Deduplication:
             if process.poll() is not None or time.monotonic() > deadline:
                 worker.stop()
                 msg = f"taskiq worker {broker} did not start:\n{worker.log()[-3000:]}"
-                raise RuntimeError(msg)
+                raise WorkerStartError(msg)
             time.sleep(0.05)
         return worker
 
@@ -440,7 +445,7 @@ def worker_broker() -> AsyncBroker:
     broker = getattr(importlib.import_module(module_name), variable or "broker")
     if not isinstance(broker, AsyncBroker):
         msg = f"{os.environ[_BROKER_ENV]} is not a taskiq broker"
-        raise TypeError(msg)
+        raise InvalidArgumentError(msg)
     _install(broker, os.environ[URL_ENV], os.environ[_PREFIX_ENV])
     return broker
 
@@ -453,7 +458,7 @@ def _middleware_of(broker: AsyncBroker) -> RedisDeduplicationMiddleware:
         if isinstance(middleware, RedisDeduplicationMiddleware):
             return middleware
     msg = f"{type(broker).__name__} has no RedisDeduplicationMiddleware"
-    raise LookupError(msg)
+    raise MissingMiddlewareError(msg)
 
 
 def _install(
