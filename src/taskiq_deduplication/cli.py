@@ -38,6 +38,8 @@ from urllib.parse import urlsplit
 
 from taskiq.abc.cmd import TaskiqCMD
 
+from taskiq_deduplication._formats import DEFAULT_PREFIX
+
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterable, Sequence
 
@@ -47,7 +49,6 @@ if TYPE_CHECKING:
 __all__ = ["DedupCMD", "ExitCode", "main"]
 
 _PROG = "taskiq dedup"
-_DEFAULT_PREFIX = "taskiq:deduplication"
 # Locks released at once: their scripts share the client's connections.
 _RELEASED_AT_ONCE: Final = 1000
 
@@ -152,7 +153,7 @@ def _parser() -> _Parser:
     )
     redis.add_argument(
         "--prefix",
-        help=f"the middleware's key_prefix, without --app (default: {_DEFAULT_PREFIX})",
+        help=f"the middleware's key_prefix, without --app (default: {DEFAULT_PREFIX})",
     )
     output = _Parser(add_help=False)
     output.add_argument("--json", action="store_true", help="print JSON instead of text")

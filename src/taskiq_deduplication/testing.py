@@ -30,6 +30,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import importlib
+import inspect
 import logging
 import os
 import shutil
@@ -73,20 +74,12 @@ URL_ENV: Final = "REDIS_URL"
 # What a worker started by Deduplication.start_worker reads in worker_broker().
 _BROKER_ENV: Final = "TASKIQ_DEDUP_TEST_BROKER"
 _PREFIX_ENV: Final = "TASKIQ_DEDUP_TEST_KEY_PREFIX"
-#: The middleware options that a test middleware copies from the application's.
-_COPIED_OPTIONS: Final = (
-    "default_deduplication",
-    "default_ttl",
-    "startup_retries",
-    "startup_retry_delay",
-    "heartbeat",
-    "heartbeat_interval",
-    "fail_open",
-    "running_ttl",
-    "default_until",
-    "default_success_ttl",
-    "default_exclusive",
-    "metrics",
+#: The middleware options that a test middleware copies from the application's:
+#: every option but where Redis is, each kept as an attribute of the same name.
+_COPIED_OPTIONS: Final = tuple(
+    name
+    for name in inspect.signature(RedisDeduplicationMiddleware).parameters
+    if name not in {"redis_url", "client", "key_prefix"}
 )
 _WORKER_START_TIMEOUT: Final = 30.0
 _WORKER_STOP_TIMEOUT: Final = 1.0
