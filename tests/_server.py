@@ -37,11 +37,57 @@ def server_binary() -> str:
     return str(get_binary_path())
 
 
+#: The environment variable that keeps the tests' servers to a range of ports.
+PORTS_ENV = "DEDUP_TEST_PORTS"
+_handed_out = -1
+
+
 def free_port() -> int:
-    """A loopback TCP port that nothing listens on right now."""
+    """A loopback TCP port that nothing listens on right now.
+
+    Any free port, or one of the range that ``DEDUP_TEST_PORTS`` names
+    (``6470-6499``: on a machine shared with other Redis servers); under
+    pytest-xdist each worker takes a share of the range of its own, so that two
+    workers never pick the same port.
+    """
+    global _handed_out  # noqa: PLW0603 (round robin over the range, per process)
+    ports = _port_range()
+    for step in range(1, len(ports) + 1):
+        # The port after the last one handed out: a server told its port a moment
+        # ago may not listen on it yet.
+        port = ports[(_handed_out + step) % len(ports)]
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            # As the server binds: a port whose last connections linger in
+            # TIME_WAIT is free for it.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out = ports.index(port)
+        return port
+    if os.environ.get(PORTS_ENV):
+        msg = f"no free port left in {PORTS_ENV}={os.environ[PORTS_ENV]} for this process"
+        raise RuntimeError(msg)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _port_range() -> range:
+    """This process's share of ``DEDUP_TEST_PORTS`` (empty when it is not set)."""
+    spec = os.environ.get(PORTS_ENV, "")
+    if not spec:
+        return range(0)
+    first, _, last = spec.partition("-")
+    ports = range(int(first), int(last or first) + 1)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or workers <= 1:
+        return ports
+    share = len(ports) // workers
+    index = int(worker[2:])
+    return ports[index * share : (index + 1) * share]
 
 
 @dataclass

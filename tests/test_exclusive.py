@@ -23,6 +23,7 @@ from tests._brokers import HoldingBroker, retry_middleware
 from tests.conftest import (
     BrokerFactory,
     MiddlewareFactory,
+    all_topologies,
     dedup_middleware,
     lock_keys,
     lock_value,
@@ -62,6 +63,7 @@ async def deliver_copy(broker: HoldingBroker, message: Any) -> None:
     await broker.receiver.callback(message=message.message)
 
 
+@all_topologies()
 async def test_a_copy_delivered_while_its_run_goes_on_waits_and_is_not_run_after_a_success(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
@@ -365,6 +367,7 @@ async def test_a_copy_of_an_attempt_that_a_retry_carries_on_is_not_run(
     assert await redis_client.keys(f"{prefix}*") == []
 
 
+@all_topologies(hash_tag=True)
 async def test_one_running_and_one_queued_with_the_latest_arguments(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:

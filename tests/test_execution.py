@@ -25,6 +25,7 @@ from tests._brokers import HoldingBroker, KeptSchedules, retry_middleware
 from tests.conftest import (
     BrokerFactory,
     MiddlewareFactory,
+    all_topologies,
     dedup_middleware,
     lock_keys,
     lock_value,
@@ -33,6 +34,7 @@ from tests.conftest import (
 )
 
 
+@all_topologies()
 async def test_lock_is_released_when_the_task_succeeds(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
@@ -77,6 +79,7 @@ async def test_lock_is_released_once_when_the_task_fails(
     assert await lock_keys(redis_client, prefix) == []
 
 
+@all_topologies()
 async def test_a_task_waiting_in_the_queue_keeps_its_lock(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
@@ -144,6 +147,7 @@ async def test_a_lock_taken_by_another_send_meanwhile_is_left_to_it_when_runs_ma
     assert await redis_client.get(key) == "othertoken other-task-id"  # not released by us
 
 
+@all_topologies()
 async def test_heartbeat_keeps_the_lock_of_a_task_that_outlives_its_ttl(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
@@ -315,6 +319,7 @@ async def test_one_heartbeat_batch_refreshes_many_running_tasks(
     assert await lock_keys(redis_client, prefix) == []
 
 
+@all_topologies()
 @pytest.mark.parametrize("retry_first", [True, False], ids=["retry-first", "dedup-first"])
 @pytest.mark.parametrize("retry_class", [SimpleRetryMiddleware, SmartRetryMiddleware])
 async def test_a_retry_is_not_a_duplicate_of_itself(
@@ -359,6 +364,7 @@ async def test_a_retry_is_not_a_duplicate_of_itself(
     assert len(running_beats(dedup)) == 0
 
 
+@all_topologies()
 async def test_exhausted_retries_release_the_lock(
     make_middleware: MiddlewareFactory,
     make_broker: BrokerFactory,

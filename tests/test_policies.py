@@ -25,6 +25,7 @@ from tests._brokers import HoldingBroker, KeptSchedules, retry_middleware
 from tests.conftest import (
     BrokerFactory,
     MiddlewareFactory,
+    all_topologies,
     dedup_middleware,
     lock_keys,
     lock_value,
@@ -58,6 +59,7 @@ async def _refused(call: Any) -> bool:
     return False
 
 
+@all_topologies()
 @pytest.mark.parametrize("row", ROWS)
 @pytest.mark.parametrize("policy", POLICIES)
 async def test_what_counts_as_a_duplicate(
