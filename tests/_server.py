@@ -11,13 +11,16 @@ would. Tests that inject faults pause it (SIGSTOP), resume it and restart it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -183,3 +186,41 @@ class Server:
         """Stop the server and remove its directory."""
         self.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+@dataclass
+class Flushes:
+    """How many rounds of ``SCRIPT FLUSH`` a ``flushing_scripts`` block saw."""
+
+    count: int = 0
+
+
+@contextlib.contextmanager
+def flushing_scripts(ports: list[int], pause: float) -> Iterator[Flushes]:
+    """Flush the scripts of the servers at ``ports`` again and again until the block ends.
+
+    From a thread of its own, whatever the test's event loop does, so that some
+    flushes land while the middleware recovers from the last one.
+    """
+    stop = threading.Event()
+    flushes = Flushes()
+
+    def flush() -> None:
+        clients = [redis.Redis(port=port, socket_timeout=2) for port in ports]
+        try:
+            while not stop.is_set():
+                for client in clients:
+                    client.script_flush()
+                flushes.count += 1
+                time.sleep(pause)
+        finally:
+            for client in clients:
+                client.close()
+
+    flusher = threading.Thread(target=flush)
+    flusher.start()
+    try:
+        yield flushes
+    finally:
+        stop.set()
+        flusher.join()

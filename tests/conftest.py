@@ -97,6 +97,20 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(f"{seconds * 1000:9.0f} ms  {what}  [{test}]")
 
 
+ThingT = TypeVar("ThingT")
+
+
+def owned(thing: ThingT, end: Callable[[ThingT], object]) -> Iterator[ThingT]:
+    """Yield ``thing`` to a fixture's test, and ``end`` it afterwards whatever happened.
+
+    A fixture that starts something writes ``yield from owned(started, stop)``.
+    """
+    try:
+        yield thing
+    finally:
+        end(thing)
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     """The URL of the Redis the tests use: ``REDIS_URL``, or a throwaway server."""
@@ -114,11 +128,7 @@ def redis_url() -> Iterator[str]:
 @pytest.fixture
 def server() -> Iterator[Server]:
     """A throwaway server of this test's own, to stop, pause or restart."""
-    own = Server().start()
-    try:
-        yield own
-    finally:
-        own.cleanup()
+    yield from owned(Server().start(), Server.cleanup)
 
 
 @pytest.fixture(scope="session")
@@ -135,10 +145,8 @@ def dedup(dedup_redis_url: str) -> Iterator[Deduplication]:
     the prefix (``test:...``) in what the middleware reports.
     """
     helper = Deduplication(dedup_redis_url, f"test:{uuid.uuid4().hex[:12]}")
-    try:
-        yield helper
-    finally:
-        helper._finish()  # the plugin fixture's own teardown: every key of the prefix
+    # The plugin fixture's own teardown: every key of the prefix.
+    yield from owned(helper, Deduplication._finish)
 
 
 # Topologies: one test over a single server, a Cluster and a Sentinel set
@@ -158,21 +166,13 @@ def start_or_skip(start: Callable[[], TopologyT], what: str) -> TopologyT:
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
     """A 3-primary Redis Cluster, started once for the session when a test needs it."""
-    nodes = start_or_skip(Cluster(primaries=3).start, "Redis Cluster")
-    try:
-        yield nodes
-    finally:
-        nodes.stop()
+    yield from owned(start_or_skip(Cluster(primaries=3).start, "Redis Cluster"), Cluster.stop)
 
 
 @pytest.fixture(scope="session")
 def sentinels() -> Iterator[Sentinels]:
     """A primary, a replica and three sentinels, started once for the session."""
-    watched = start_or_skip(Sentinels().start, "Sentinel set")
-    try:
-        yield watched
-    finally:
-        watched.stop()
+    yield from owned(start_or_skip(Sentinels().start, "Sentinel set"), Sentinels.stop)
 
 
 def cluster_client(nodes: Cluster) -> RedisCluster:
@@ -231,22 +231,16 @@ def topology(request: pytest.FixtureRequest, dedup: Deduplication) -> Topology:
         return Topology("single", dedup.key_prefix)
     name = kind.removesuffix("{}")
     prefix = f"{{{dedup.key_prefix}}}" if kind.endswith("{}") else dedup.key_prefix
+    # A cluster client takes the commands the tests use with the same arguments.
     client: redis.asyncio.Redis = request.getfixturevalue(f"{name}_redis")
     return Topology(name, prefix, client)
 
 
 @pytest.fixture
-async def cluster_redis(
-    cluster: Cluster, dedup: Deduplication
-) -> AsyncIterator[redis.asyncio.Redis]:
+async def cluster_redis(cluster: Cluster, dedup: Deduplication) -> AsyncIterator[RedisCluster]:
     """A cluster client for this test's event loop; deletes the test's keys at the end."""
-    client = cluster_client(cluster)
-    try:
-        # The commands the tests use take the same arguments on a cluster client.
-        yield cast("redis.asyncio.Redis", client)
-    finally:
-        await delete_keys(client, dedup.key_prefix)
-        await client.aclose()
+    async for client in closed_after(cluster_client(cluster), dedup.key_prefix):
+        yield client
 
 
 @pytest.fixture
@@ -254,11 +248,19 @@ async def sentinel_redis(
     sentinels: Sentinels, dedup: Deduplication
 ) -> AsyncIterator[redis.asyncio.Redis]:
     """A client of the sentinels' primary for this test's event loop; cleans up as above."""
-    client = primary_client(sentinels)
+    async for client in closed_after(primary_client(sentinels), dedup.key_prefix):
+        yield client
+
+
+ClientT = TypeVar("ClientT", redis.asyncio.Redis, RedisCluster)
+
+
+async def closed_after(client: ClientT, prefix: str) -> AsyncIterator[ClientT]:
+    """Yield ``client``; then delete the keys under ``prefix`` through it and close it."""
     try:
         yield client
     finally:
-        await delete_keys(client, dedup.key_prefix)
+        await delete_keys(client, prefix)
         await client.aclose()
 
 
@@ -285,12 +287,10 @@ async def redis_client(redis_url: str, topology: Topology) -> AsyncIterator[redi
     if topology.client is not None:
         yield topology.client
         return
-    client = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
-    try:
+    async for client in closed_after(
+        redis.asyncio.Redis.from_url(redis_url, decode_responses=True), topology.prefix
+    ):
         yield client
-    finally:
-        await delete_keys(client, topology.prefix)
-        await client.aclose()
 
 
 MiddlewareFactory = Callable[..., RedisDeduplicationMiddleware]

@@ -22,6 +22,7 @@ from taskiq import (
 from taskiq_deduplication import DuplicateTaskError
 from taskiq_deduplication._formats import holder_task_id
 from tests._brokers import HoldingBroker, KeptSchedules, retry_middleware
+from tests._tasks import all_running
 from tests.conftest import (
     BrokerFactory,
     MiddlewareFactory,
@@ -293,20 +294,7 @@ async def test_one_heartbeat_batch_refreshes_many_running_tasks(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker(default_ttl=3)
-    started = 0
-    all_running = asyncio.Event()
-    finish = asyncio.Event()
-
-    @broker.task
-    async def job(n: int) -> None:
-        nonlocal started
-        started += 1
-        if started == 200:
-            all_running.set()
-        await finish.wait()
-
-    await asyncio.gather(*(job.kiq(n=i) for i in range(200)))
-    await all_running.wait()
+    _, finish = await all_running(broker, 200)
     await redis_client.config_resetstat()
     await asyncio.sleep(2.2)  # two refresh intervals of 1 s
     stats = await redis_client.info("commandstats")

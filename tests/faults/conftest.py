@@ -19,7 +19,7 @@ from taskiq import TaskiqMiddleware
 
 from taskiq_deduplication import RedisDeduplicationMiddleware
 from tests._server import Server
-from tests.conftest import RECOVERY_PROPERTY
+from tests.conftest import RECOVERY_PROPERTY, owned
 from tests.faults._harness import LogRecords, RecordingBroker
 from tests.faults._proxy import Proxy
 
@@ -45,11 +45,7 @@ async def proxy(server: Server) -> AsyncIterator[Proxy]:
 @pytest.fixture
 def logs() -> Iterator[LogRecords]:
     """Every record the library logs during the test, down to DEBUG."""
-    records = LogRecords().attach()
-    try:
-        yield records
-    finally:
-        records.detach()
+    yield from owned(LogRecords().attach(), LogRecords.detach)
 
 
 BrokerMaker = Callable[..., Awaitable[RecordingBroker]]

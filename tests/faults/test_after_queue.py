@@ -10,6 +10,7 @@ import pytest
 
 from taskiq_deduplication import DuplicateTaskError
 from tests._server import Server
+from tests._tasks import echo_task, held_task
 from tests.faults._harness import GRACE_TTL_MS, LogRecords, admin, lock_keys, wait_until
 from tests.faults.conftest import FAST, BrokerMaker
 
@@ -67,14 +68,8 @@ async def test_redis_lost_while_the_task_runs_is_logged_and_the_result_delivered
     broker = await make_recording_broker(
         f"{server.url}?{FAST}", default_ttl=3, heartbeat_interval=0.3
     )
-    started = asyncio.Event()
-    finish = asyncio.Event()
-
-    @broker.task
-    async def work(x: int) -> int:
-        started.set()
-        await finish.wait()
-        return x
+    work, gate = held_task(broker)
+    started, finish = gate.started, gate.finish
 
     handle = await work.kiq(x=1)
     await asyncio.wait_for(started.wait(), 5)
@@ -96,14 +91,8 @@ async def test_redis_hung_while_the_task_runs_lets_the_lock_expire_on_its_ttl(
     broker = await make_recording_broker(
         f"{server.url}?{FAST}", default_ttl=3, heartbeat_interval=0.3
     )
-    started = asyncio.Event()
-    finish = asyncio.Event()
-
-    @broker.task
-    async def work(x: int) -> int:
-        started.set()
-        await finish.wait()
-        return x
+    work, gate = held_task(broker)
+    started, finish = gate.started, gate.finish
 
     handle = await work.kiq(x=1)
     await asyncio.wait_for(started.wait(), 5)
@@ -136,14 +125,8 @@ async def test_heartbeat_takes_the_lock_back_after_a_restart(
     recovery: Callable[[str, float], None],
 ) -> None:
     broker = await make_recording_broker(f"{server.url}?{FAST}", default_ttl=3)  # refresh every 1 s
-    started = asyncio.Event()
-    finish = asyncio.Event()
-
-    @broker.task
-    async def work(x: int) -> int:
-        started.set()
-        await finish.wait()
-        return x
+    work, gate = held_task(broker)
+    started, finish = gate.started, gate.finish
 
     handle = await work.kiq(x=1)
     await asyncio.wait_for(started.wait(), 5)
@@ -202,9 +185,7 @@ async def test_a_task_whose_lock_another_send_took_while_queued_leaves_it_alone(
         f"{server.url}?{FAST}", hold=True, default_ttl=30, default_exclusive=False
     )
 
-    @broker.task
-    async def work(x: int) -> int:
-        return x
+    work = echo_task(broker)
 
     first = await work.kiq(x=1)
     await asyncio.to_thread(server.restart)
@@ -229,14 +210,8 @@ async def test_heartbeat_gives_up_a_lock_another_send_took_after_a_restart(
     broker = await make_recording_broker(
         f"{server.url}?{FAST}", default_ttl=6, heartbeat_interval=2
     )
-    started = asyncio.Event()
-    finish = asyncio.Event()
-
-    @broker.task
-    async def work(x: int) -> int:
-        started.set()
-        await finish.wait()
-        return x
+    work, gate = held_task(broker)
+    started, finish = gate.started, gate.finish
 
     first = await work.kiq(x=1)
     await asyncio.wait_for(started.wait(), 5)
@@ -279,9 +254,7 @@ async def test_shutdown_with_redis_gone_returns_within_the_timeout(
 
     broker = await make_recording_broker(f"{server.url}?{FAST}", on_kick=redis_goes, default_ttl=30)
 
-    @broker.task
-    async def work(x: int) -> int:
-        return x
+    work = echo_task(broker)
 
     broker.hold = True  # nothing runs: only the send's own commands are left
     try:

@@ -18,6 +18,7 @@ import redis.exceptions
 from taskiq_deduplication import DuplicateTaskError
 from tests._brokers import holds_no_lock
 from tests._server import Server
+from tests._tasks import echo_task, held_task, warmed_echo
 from tests.faults._harness import (
     GRACE_TTL_MS,
     LOCK_KEY_LABEL,
@@ -40,11 +41,7 @@ async def test_a_cut_at_send_fails_the_kiq_and_recovers_once_restored(
 ) -> None:
     broker = await make_recording_broker(proxy.url(FAST))
 
-    @broker.task
-    async def work(x: int) -> int:
-        return x
-
-    await (await work.kiq(x=0)).wait_result(timeout=5)
+    work = await warmed_echo(broker)  # a warm connection
     await proxy.cut()
     for attempt in range(3):  # refused for a while, each attempt fails fast
         started = time.monotonic()
@@ -64,12 +61,8 @@ async def test_a_cut_at_send_with_fail_open_sends_without_a_lock(
     make_recording_broker: BrokerMaker, proxy: Proxy, server: Server, prefix: str, logs: LogRecords
 ) -> None:
     broker = await make_recording_broker(proxy.url(FAST), fail_open=True)
-    finish = asyncio.Event()
-
-    @broker.task
-    async def work(x: int) -> int:
-        await finish.wait()
-        return x
+    work, gate = held_task(broker)
+    finish = gate.finish
 
     await proxy.cut()
     unlocked = await work.kiq(x=1)
@@ -99,11 +92,7 @@ async def test_a_black_holed_path_fails_or_sends_within_the_timeout(
 ) -> None:
     broker = await make_recording_broker(proxy.url(FAST), fail_open=fail_open)
 
-    @broker.task
-    async def work(x: int) -> int:
-        return x
-
-    await (await work.kiq(x=0)).wait_result(timeout=5)
+    work = await warmed_echo(broker)  # a warm connection
     proxy.hang()
     started = time.monotonic()
     if fail_open:
@@ -143,14 +132,8 @@ async def test_a_cut_after_the_send_is_swallowed_and_the_heartbeat_recovers(
         heartbeat_interval=0.3,
         default_exclusive=False,
     )
-    started = asyncio.Event()
-    finish = asyncio.Event()
-
-    @broker.task
-    async def work(x: int) -> int:
-        started.set()
-        await finish.wait()
-        return x
+    work, gate = held_task(broker)
+    started, finish = gate.started, gate.finish
 
     handle = await work.kiq(x=1)  # the extension to the full TTL fails: not raised
     await asyncio.wait_for(started.wait(), 5)
@@ -182,14 +165,8 @@ async def test_a_cut_over_the_release_lets_the_lock_expire_on_its_ttl(
     recovery: Callable[[str, float], None],
 ) -> None:
     broker = await make_recording_broker(proxy.url(FAST), default_ttl=2)
-    started = asyncio.Event()
-    finish = asyncio.Event()
-
-    @broker.task
-    async def work(x: int) -> int:
-        started.set()
-        await finish.wait()
-        return x
+    work, gate = held_task(broker)
+    started, finish = gate.started, gate.finish
 
     handle = await work.kiq(x=1)
     await asyncio.wait_for(started.wait(), 5)
@@ -229,9 +206,7 @@ async def test_a_cut_noticed_before_the_extension_after_the_send_is_swallowed(
         proxy.url(FAST), on_kick=cut_and_notice, default_ttl=30, default_exclusive=False
     )
 
-    @broker.task
-    async def work(x: int) -> int:
-        return x
+    work = echo_task(broker)
 
     handle = await work.kiq(x=1)  # queued: whatever fails now must not raise
     assert len(broker.sent) == 1

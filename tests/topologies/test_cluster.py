@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import pytest
-import redis
 from redis.asyncio.cluster import RedisCluster
 from taskiq import InMemoryBroker
 
 from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
 from tests._brokers import HoldingBroker
 from tests._cli import dedup, holding
-from tests.conftest import cluster_client, delete_keys, start_or_skip
+from tests._server import flushing_scripts
+from tests._tasks import all_running
+from tests.conftest import closed_after, cluster_client, start_or_skip
 from tests.topologies._servers import Cluster
 
 
@@ -30,12 +29,8 @@ def prefix() -> str:
 @pytest.fixture
 async def client(cluster: Cluster, prefix: str) -> AsyncIterator[RedisCluster]:
     """A cluster client found from one node's URL; deletes the test's keys at the end."""
-    connected = cluster_client(cluster)
-    try:
+    async for connected in closed_after(cluster_client(cluster), prefix):
         yield connected
-    finally:
-        await delete_keys(connected, prefix)
-        await connected.aclose()
 
 
 async def keys_under(client: RedisCluster, prefix: str) -> list[str]:
@@ -59,20 +54,7 @@ async def test_heartbeat_keeps_locks_on_every_node_alive(
     cluster: Cluster, client: RedisCluster, prefix: str
 ) -> None:
     broker = await started(client, prefix, default_ttl=2)
-    running = 0
-    all_running = asyncio.Event()
-    finish = asyncio.Event()
-
-    @broker.task
-    async def job(n: int) -> None:
-        nonlocal running
-        running += 1
-        if running == 300:
-            all_running.set()
-        await finish.wait()
-
-    await asyncio.gather(*(job.kiq(n=i) for i in range(300)))
-    await all_running.wait()
+    job, finish = await all_running(broker, 300)
     keys = await keys_under(client, prefix)
     nodes = {getattr(client.get_node_from_key(key), "port", None) for key in keys}
     assert nodes == {node.port for node in cluster.nodes}  # spread over all slots' owners
@@ -126,24 +108,8 @@ async def test_script_caches_lost_during_a_burst_fail_no_kiq(
     async def job(n: int) -> None: ...
 
     # Every primary loses its scripts again and again, whatever our loop does.
-    stop = threading.Event()
-
-    def flush() -> None:
-        nodes = [redis.Redis(port=node.port, socket_timeout=2) for node in cluster.nodes]
-        while not stop.is_set():
-            for node in nodes:
-                node.script_flush()
-            time.sleep(0.001)
-        for node in nodes:
-            node.close()
-
-    flusher = threading.Thread(target=flush)
-    flusher.start()
-    try:
+    with flushing_scripts([node.port for node in cluster.nodes], pause=0.001):
         results = await asyncio.gather(*(job.kiq(n=n) for n in range(1000)), return_exceptions=True)
-    finally:
-        stop.set()
-        flusher.join()
     assert [r for r in results if isinstance(r, BaseException)] == []
     assert len(await keys_under(client, prefix)) == 1000
     await broker.shutdown()

@@ -21,7 +21,7 @@ from redis.asyncio import Redis
 from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
 from tests._brokers import HoldingBroker
 from tests._cli import dedup, holding
-from tests.conftest import primary_client, start_or_skip
+from tests.conftest import owned, primary_client, start_or_skip
 from tests.topologies._servers import Sentinels
 
 logger = logging.getLogger(__name__)
@@ -37,19 +37,20 @@ def prefix() -> str:
 @pytest.fixture
 def fresh_sentinels() -> Iterator[Sentinels]:
     """A topology of its own, for a test that kills its primary."""
-    watched = start_or_skip(Sentinels().start, "Sentinel set")
-    try:
-        yield watched
-    finally:
-        watched.stop()
+    yield from owned(start_or_skip(Sentinels().start, "Sentinel set"), Sentinels.stop)
 
 
-async def started(client: Redis, prefix: str) -> HoldingBroker:
+async def started(watched: Sentinels, prefix: str) -> tuple[Redis, HoldingBroker, Any]:
+    """The application: a client of the sentinels' primary, its broker and a task ``job(n)``."""
+    client = primary_client(watched)
     broker = HoldingBroker().with_middlewares(
         RedisDeduplicationMiddleware(client=client, key_prefix=prefix)
     )
     await broker.startup()
-    return broker
+
+    async def job(n: int) -> None: ...
+
+    return client, broker, broker.register_task(job)
 
 
 async def sent(kiq: Any) -> bool:
@@ -79,11 +80,7 @@ async def wait_for_failover(watched: Sentinels, old_port: int) -> None:
 async def test_failover_without_restarting_the_application(
     fresh_sentinels: Sentinels, prefix: str
 ) -> None:
-    client = primary_client(fresh_sentinels)
-    broker = await started(client, prefix)
-
-    @broker.task
-    async def job(n: int) -> None: ...
+    client, broker, job = await started(fresh_sentinels, prefix)
 
     before = await job.kiq(n=0)
     await asyncio.sleep(0.2)  # replicated long before the kill
@@ -109,11 +106,7 @@ async def test_failover_without_restarting_the_application(
 async def test_locks_taken_just_before_a_failover_can_be_lost(
     fresh_sentinels: Sentinels, prefix: str
 ) -> None:
-    client = primary_client(fresh_sentinels)
-    broker = await started(client, prefix)
-
-    @broker.task
-    async def job(n: int) -> None: ...
+    client, broker, job = await started(fresh_sentinels, prefix)
 
     taken: list[object] = []
     stop_at = time.monotonic() + 0.5
