@@ -41,6 +41,26 @@ def held_task(broker: AsyncBroker, task_name: str | None = None) -> tuple[Any, G
     return broker.register_task(work, task_name=task_name), gate
 
 
+def held_slow(broker: AsyncBroker) -> tuple[Any, Gate]:
+    """Register ``slow()``, which takes no argument and ends once its gate's ``finish`` is set."""
+    gate = Gate()
+
+    async def slow() -> None:
+        await gate.run_through()
+
+    return broker.register_task(slow), gate
+
+
+def held_report(broker: AsyncBroker) -> tuple[Any, Gate]:
+    """Register ``report(day)`` (task name ``"report"``), which ends once ``finish`` is set."""
+    gate = Gate()
+
+    async def report(day: str) -> None:
+        await gate.run_through()
+
+    return broker.register_task(report, task_name="report"), gate
+
+
 async def all_running(broker: AsyncBroker, count: int) -> tuple[Any, asyncio.Event]:
     """Send ``count`` distinct calls of ``job(n)`` and return once every one of them runs.
 

@@ -32,6 +32,7 @@ from taskiq import InMemoryBroker, TaskiqMiddleware
 from taskiq_deduplication import RedisDeduplicationMiddleware
 from taskiq_deduplication._heartbeat import Beat
 from taskiq_deduplication.testing import Deduplication
+from tests._brokers import HoldingBroker
 from tests._server import Server
 from tests.topologies._servers import Cluster, Sentinels
 
@@ -365,6 +366,15 @@ async def make_broker(
     for broker in brokers:
         await broker.wait_all()
         await broker.shutdown()
+
+
+async def queued_job(make_broker: BrokerFactory) -> tuple[HoldingBroker, Any]:
+    """A started ``HoldingBroker`` (a queue the test delivers) and a task ``job()``, a no-op."""
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    async def job() -> None: ...
+
+    return broker, broker.register_task(job)
 
 
 async def lock_keys(client: redis.asyncio.Redis, prefix: str) -> list[str]:

@@ -44,6 +44,7 @@ from tests.conftest import (
     dedup_middleware,
     lock_keys,
     lock_value,
+    queued_job,
     running_beats,
     wait_until,
 )
@@ -618,10 +619,7 @@ async def test_bad_merge_and_debounce_labels_are_refused_at_kiq(
     labels: dict[str, Any],
     named: str,
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
-    @broker.task
-    async def job() -> None: ...
+    broker, job = await queued_job(make_broker)
 
     for given in (labels, {k: str(v) for k, v in labels.items()}):  # as the scheduler sends
         with pytest.raises(ValueError, match=named):

@@ -22,7 +22,7 @@ from taskiq import (
 from taskiq_deduplication import DuplicateTaskError
 from taskiq_deduplication._formats import holder_task_id
 from tests._brokers import HoldingBroker, KeptSchedules, retry_middleware
-from tests._tasks import all_running
+from tests._tasks import all_running, held_slow
 from tests.conftest import (
     BrokerFactory,
     MiddlewareFactory,
@@ -30,6 +30,7 @@ from tests.conftest import (
     dedup_middleware,
     lock_keys,
     lock_value,
+    queued_job,
     running_beats,
     wait_until,
 )
@@ -84,10 +85,7 @@ async def test_lock_is_released_once_when_the_task_fails(
 async def test_a_task_waiting_in_the_queue_keeps_its_lock(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
-    @broker.task
-    async def job() -> None: ...
+    broker, job = await queued_job(make_broker)
 
     await job.kiq()
     with pytest.raises(DuplicateTaskError):
@@ -153,13 +151,8 @@ async def test_heartbeat_keeps_the_lock_of_a_task_that_outlives_its_ttl(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker(default_ttl=2)
-    running = asyncio.Event()
-    finish = asyncio.Event()
-
-    @broker.task
-    async def slow() -> None:
-        running.set()
-        await finish.wait()
+    slow, gate = held_slow(broker)
+    running, finish = gate.started, gate.finish
 
     handle = await slow.kiq()
     await running.wait()
@@ -177,13 +170,8 @@ async def test_without_heartbeat_the_lock_expires_mid_run(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker(default_ttl=1, heartbeat=False)
-    running = asyncio.Event()
-    finish = asyncio.Event()
-
-    @broker.task
-    async def slow() -> None:
-        running.set()
-        await finish.wait()
+    slow, gate = held_slow(broker)
+    running, finish = gate.started, gate.finish
 
     await slow.kiq()
     await running.wait()
@@ -383,10 +371,7 @@ async def test_exhausted_retries_release_the_lock(
 async def test_reusing_a_task_id_from_outside_its_run_is_an_ordinary_duplicate(
     make_middleware: MiddlewareFactory, make_broker: BrokerFactory
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
-    @broker.task
-    async def job() -> None: ...
+    _, job = await queued_job(make_broker)
 
     await job.kicker().with_task_id("fixed").kiq()
     with pytest.raises(DuplicateTaskError) as caught:

@@ -29,6 +29,7 @@ from tests.conftest import (
     dedup_middleware,
     lock_keys,
     lock_value,
+    queued_job,
     running_beats,
 )
 
@@ -429,10 +430,7 @@ async def test_bad_policy_labels_are_refused_at_kiq_with_nothing_locked_or_sent(
     labels: dict[str, Any],
     named: str,
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
-    @broker.task
-    async def job() -> None: ...
+    broker, job = await queued_job(make_broker)
 
     for given in (labels, {k: str(v) for k, v in labels.items()}):  # as the scheduler sends
         with pytest.raises(ValueError, match=named) as caught:
@@ -454,10 +452,7 @@ async def test_bad_policy_labels_are_refused_at_kiq_with_nothing_locked_or_sent(
 async def test_policy_labels_in_their_string_forms(
     make_broker: BrokerFactory, labels: dict[str, Any], policy: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
-    @broker.task
-    async def job() -> None: ...
+    broker, job = await queued_job(make_broker)
 
     await job.kicker().with_labels(**labels).kiq()
     (message,) = broker.queued

@@ -13,7 +13,14 @@ from taskiq import AsyncTaskiqTask, BrokerMessage, SendTaskError
 
 from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
 from tests._brokers import HoldingBroker, RefusingBroker, holds_no_lock
-from tests.conftest import BrokerFactory, all_topologies, dedup_middleware, lock_keys, lock_value
+from tests.conftest import (
+    BrokerFactory,
+    all_topologies,
+    dedup_middleware,
+    lock_keys,
+    lock_value,
+    queued_job,
+)
 
 
 @all_topologies()
@@ -42,10 +49,7 @@ async def test_second_identical_kiq_raises_naming_the_holder(
 async def test_lock_value_names_the_holder_and_an_owner_token(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
-    @broker.task
-    async def job() -> None: ...
+    _, job = await queued_job(make_broker)
 
     first = await job.kiq()
     (key,) = await lock_keys(redis_client, prefix)

@@ -109,6 +109,18 @@ async def recorded_retry(retry_class: type[TaskiqMiddleware]) -> Recorder:
     return recorder
 
 
+def requeued_once(broker: InMemoryBroker) -> Any:
+    """Register ``job()``, whose first run requeues its message (``Context.requeue()``)."""
+    contexts: list[Context] = []
+
+    async def job(context: Context = TaskiqDepends()) -> None:
+        contexts.append(context)
+        if len(contexts) == 1:
+            await context.requeue()
+
+    return broker.register_task(job)
+
+
 async def drain(broker: InMemoryBroker) -> None:
     """Wait for every task, also those a retry or a requeue started meanwhile."""
     for _ in range(100):
@@ -321,15 +333,7 @@ async def test_requeue_counts_on_the_running_labels_and_kicks_without_pre_send()
     events: list[tuple[str, str, str]] = []
     recorder = Recorder("A", events)
     broker = Counting().with_middlewares(recorder)
-    runs = 0
-
-    @broker.task
-    async def job(context: Context = TaskiqDepends()) -> None:
-        nonlocal runs
-        runs += 1
-        if runs == 1:
-            await context.requeue()
-
+    job = requeued_once(broker)
     task = await job.kiq()
     await drain(broker)
     first = recorder.messages_at_post_execute[0].labels
@@ -346,15 +350,7 @@ async def test_requeue_counts_on_the_running_labels_and_kicks_without_pre_send()
 async def test_a_requeued_run_ends_with_no_result_error() -> None:
     recorder = Recorder("A")
     broker = InMemoryBroker().with_middlewares(recorder)
-    runs = 0
-
-    @broker.task
-    async def job(context: Context = TaskiqDepends()) -> None:
-        nonlocal runs
-        runs += 1
-        if runs == 1:
-            await context.requeue()
-
+    job = requeued_once(broker)
     await job.kiq()
     await drain(broker)
     assert isinstance(recorder.results[0].error, NoResultError), (

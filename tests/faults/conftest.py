@@ -110,8 +110,12 @@ async def _stop_tasks(broker: RecordingBroker) -> None:
         await asyncio.wait(pending, timeout=_TASK_GRACE)
 
 
+#: The ``recovery`` fixture: ``recovery(what, seconds)`` records a recovery time.
+Recovery = Callable[[str, float], None]
+
+
 @pytest.fixture
-def recovery(request: pytest.FixtureRequest) -> Callable[[str, float], None]:
+def recovery(request: pytest.FixtureRequest) -> Recovery:
     """Record how long the middleware took to recover from the fault of this test.
 
     The measurement travels with the test's report (as a user property), so that

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
 import pytest
 
@@ -12,7 +11,7 @@ from taskiq_deduplication import DuplicateTaskError
 from tests._server import Server
 from tests._tasks import echo_task, held_task
 from tests.faults._harness import GRACE_TTL_MS, LogRecords, admin, lock_keys, wait_until
-from tests.faults.conftest import FAST, BrokerMaker
+from tests.faults.conftest import FAST, BrokerMaker, Recovery
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -21,10 +20,7 @@ pytestmark = pytest.mark.timeout(30)
 
 
 async def test_redis_lost_right_after_the_send_is_logged_and_the_result_delivered(
-    make_recording_broker: BrokerMaker,
-    server: Server,
-    logs: LogRecords,
-    recovery: Callable[[str, float], None],
+    make_recording_broker: BrokerMaker, server: Server, logs: LogRecords, recovery: Recovery
 ) -> None:
     async def redis_dies() -> None:  # the broker has the message; Redis goes away
         server.stop()
@@ -122,7 +118,7 @@ async def test_heartbeat_takes_the_lock_back_after_a_restart(
     server: Server,
     prefix: str,
     logs: LogRecords,
-    recovery: Callable[[str, float], None],
+    recovery: Recovery,
 ) -> None:
     broker = await make_recording_broker(f"{server.url}?{FAST}", default_ttl=3)  # refresh every 1 s
     work, gate = held_task(broker)
@@ -154,14 +150,8 @@ async def test_reassert_at_execution_takes_back_a_lock_lost_while_queued(
     make_recording_broker: BrokerMaker, server: Server, prefix: str, logs: LogRecords
 ) -> None:
     broker = await make_recording_broker(f"{server.url}?{FAST}", hold=True, default_ttl=30)
-    running = asyncio.Event()
-    finish = asyncio.Event()
-
-    @broker.task
-    async def work(x: int) -> int:
-        running.set()
-        await finish.wait()
-        return x
+    work, gate = held_task(broker)
+    running, finish = gate.started, gate.finish
 
     handle = await work.kiq(x=1)
     await asyncio.to_thread(server.restart)  # the queued task's lock is lost

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -29,15 +28,13 @@ from tests.faults._harness import (
     wait_until,
 )
 from tests.faults._proxy import Proxy
-from tests.faults.conftest import FAST, BrokerMaker
+from tests.faults.conftest import FAST, BrokerMaker, Recovery
 
 pytestmark = pytest.mark.timeout(30)
 
 
 async def test_a_cut_at_send_fails_the_kiq_and_recovers_once_restored(
-    make_recording_broker: BrokerMaker,
-    proxy: Proxy,
-    recovery: Callable[[str, float], None],
+    make_recording_broker: BrokerMaker, proxy: Proxy, recovery: Recovery
 ) -> None:
     broker = await make_recording_broker(proxy.url(FAST))
 
@@ -85,10 +82,7 @@ async def test_a_cut_at_send_with_fail_open_sends_without_a_lock(
 
 @pytest.mark.parametrize("fail_open", [False, True])
 async def test_a_black_holed_path_fails_or_sends_within_the_timeout(
-    make_recording_broker: BrokerMaker,
-    proxy: Proxy,
-    fail_open: bool,
-    recovery: Callable[[str, float], None],
+    make_recording_broker: BrokerMaker, proxy: Proxy, fail_open: bool, recovery: Recovery
 ) -> None:
     broker = await make_recording_broker(proxy.url(FAST), fail_open=fail_open)
 
@@ -121,7 +115,7 @@ async def test_a_cut_after_the_send_is_swallowed_and_the_heartbeat_recovers(
     server: Server,
     prefix: str,
     logs: LogRecords,
-    recovery: Callable[[str, float], None],
+    recovery: Recovery,
 ) -> None:
     # Not exclusive: this run begins while Redis is cut off, and an exclusive
     # one would wait for Redis (tests/test_exclusive.py) instead of beginning.
@@ -162,7 +156,7 @@ async def test_a_cut_over_the_release_lets_the_lock_expire_on_its_ttl(
     server: Server,
     prefix: str,
     logs: LogRecords,
-    recovery: Callable[[str, float], None],
+    recovery: Recovery,
 ) -> None:
     broker = await make_recording_broker(proxy.url(FAST), default_ttl=2)
     work, gate = held_task(broker)

@@ -77,6 +77,7 @@ async def test_explicit_keys_are_kept_verbatim_and_distinct(
 async def test_fingerprint_keys_under_an_odd_prefix_are_well_formed(
     key_prefix: str, broker: RecordingBroker, server: Server
 ) -> None:
+    texts = ["a", "a:b", "{a}", "ünï 🔥"]
     finish = asyncio.Event()
 
     @broker.task
@@ -84,7 +85,6 @@ async def test_fingerprint_keys_under_an_odd_prefix_are_well_formed(
         await finish.wait()
         return text
 
-    texts = ["a", "a:b", "{a}", "ünï 🔥"]
     for text in texts:
         await work.kiq(text=text)
     with admin(server.port) as client:

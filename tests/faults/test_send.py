@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
 import pytest
 import redis.exceptions
@@ -17,7 +16,7 @@ from tests._brokers import holds_no_lock
 from tests._server import Server, free_port
 from tests._tasks import echo_task, held_task, warmed_echo
 from tests.faults._harness import GRACE_TTL_MS, LogRecords, admin, lock_keys
-from tests.faults.conftest import FAST, BrokerMaker
+from tests.faults.conftest import FAST, BrokerMaker, Recovery
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -26,10 +25,7 @@ pytestmark = pytest.mark.timeout(30)
 
 
 async def test_redis_down_at_send_fails_the_kiq_and_sends_nothing(
-    make_recording_broker: BrokerMaker,
-    server: Server,
-    prefix: str,
-    recovery: Callable[[str, float], None],
+    make_recording_broker: BrokerMaker, server: Server, prefix: str, recovery: Recovery
 ) -> None:
     broker = await make_recording_broker(f"{server.url}?{FAST}")
     ran: list[int] = []
@@ -107,7 +103,7 @@ def test_url_query_overrides_the_default_timeouts(server: Server) -> None:
 
 
 async def test_redis_hung_at_send_fails_within_the_configured_timeout(
-    make_recording_broker: BrokerMaker, server: Server, recovery: Callable[[str, float], None]
+    make_recording_broker: BrokerMaker, server: Server, recovery: Recovery
 ) -> None:
     broker = await make_recording_broker(
         f"{server.url}?socket_timeout=0.5&socket_connect_timeout=0.5"
@@ -131,10 +127,7 @@ async def test_redis_hung_at_send_fails_within_the_configured_timeout(
 
 
 async def test_a_failed_send_to_a_hung_redis_leaves_at_most_a_grace_lock(
-    make_recording_broker: BrokerMaker,
-    server: Server,
-    prefix: str,
-    recovery: Callable[[str, float], None],
+    make_recording_broker: BrokerMaker, server: Server, prefix: str, recovery: Recovery
 ) -> None:
     # The acquire was written to the socket before the timeout; the server may
     # still run it once it wakes. Whatever it leaves must be a grace-TTL lock.

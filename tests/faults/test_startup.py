@@ -6,7 +6,6 @@ import asyncio
 import itertools
 import re
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -16,7 +15,7 @@ from taskiq_deduplication import DeduplicationError
 from tests._server import Server, free_port
 from tests._tasks import echo_task
 from tests.faults._harness import LogRecords
-from tests.faults.conftest import FAST, BrokerMaker
+from tests.faults.conftest import FAST, BrokerMaker, Recovery
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -82,9 +81,7 @@ async def test_startup_with_one_attempt_does_not_wait(
 
 
 async def test_redis_coming_up_during_the_retries_lets_startup_succeed(
-    make_recording_broker: BrokerMaker,
-    logs: LogRecords,
-    recovery: Callable[[str, float], None],
+    make_recording_broker: BrokerMaker, logs: LogRecords, recovery: Recovery
 ) -> None:
     server = Server()  # not started yet: its port refuses connections
     try:
