@@ -192,6 +192,8 @@ def primary_client(watched: Sentinels) -> redis.asyncio.Redis:
 
 #: The topologies a test decorated with ``all_topologies()`` runs on.
 TOPOLOGIES = ("single", "cluster", "sentinel")
+#: Set to a comma-separated subset of ``TOPOLOGIES`` to skip the others (``single``).
+TOPOLOGIES_ENV = "DEDUP_TEST_TOPOLOGIES"
 
 
 def all_topologies(*, hash_tag: bool = False) -> pytest.MarkDecorator:
@@ -231,6 +233,9 @@ def topology(request: pytest.FixtureRequest, dedup: Deduplication) -> Topology:
     if kind == "single":
         return Topology("single", dedup.key_prefix)
     name = kind.removesuffix("{}")
+    chosen = os.environ.get(TOPOLOGIES_ENV)
+    if chosen is not None and name not in chosen.split(","):
+        pytest.skip(f"{TOPOLOGIES_ENV}={chosen}: not on the {name} topology")
     prefix = f"{{{dedup.key_prefix}}}" if kind.endswith("{}") else dedup.key_prefix
     # A cluster client takes the commands the tests use with the same arguments.
     client: redis.asyncio.Redis = request.getfixturevalue(f"{name}_redis")

@@ -17,9 +17,8 @@ from typing import Any
 import pytest
 from taskiq import TaskiqMiddleware
 
-from taskiq_deduplication import RedisDeduplicationMiddleware
 from tests._server import Server
-from tests.conftest import RECOVERY_PROPERTY, owned
+from tests.conftest import RECOVERY_PROPERTY, MiddlewareFactory, owned
 from tests.faults._harness import LogRecords, RecordingBroker
 from tests.faults._proxy import Proxy
 
@@ -52,7 +51,9 @@ BrokerMaker = Callable[..., Awaitable[RecordingBroker]]
 
 
 @pytest.fixture
-async def make_recording_broker(prefix: str) -> AsyncIterator[BrokerMaker]:
+async def make_recording_broker(
+    make_middleware: MiddlewareFactory,
+) -> AsyncIterator[BrokerMaker]:
     """Build started recording brokers with one deduplication middleware each.
 
     ``await make_recording_broker(url, hold=..., kick_error=..., on_kick=..., start=True,
@@ -71,9 +72,8 @@ async def make_recording_broker(prefix: str) -> AsyncIterator[BrokerMaker]:
         extra: tuple[TaskiqMiddleware, ...] = (),
         **options: Any,
     ) -> RecordingBroker:
-        options.setdefault("key_prefix", prefix)
         broker = RecordingBroker(hold=hold, kick_error=kick_error, on_kick=on_kick)
-        broker.with_middlewares(*extra, RedisDeduplicationMiddleware(redis_url=url, **options))
+        broker.with_middlewares(*extra, make_middleware(redis_url=url, **options))
         brokers.append(broker)
         if start:
             await broker.startup()
