@@ -205,12 +205,18 @@ def all_topologies(*, hash_tag: bool = False) -> pytest.MarkDecorator:
             keeps a run slot needs its lock and the keys beside it in one slot.
             Without it the test's locks spread over every primary.
     """
+    # Under pytest-xdist, one worker runs every test of a topology: one Cluster
+    # and one Sentinel set for the whole run, not one per worker.
     return pytest.mark.parametrize(
         "topology",
         [
             pytest.param("single", id="single"),
-            pytest.param("cluster{}" if hash_tag else "cluster", id="cluster"),
-            pytest.param("sentinel", id="sentinel"),
+            pytest.param(
+                "cluster{}" if hash_tag else "cluster",
+                id="cluster",
+                marks=pytest.mark.xdist_group("cluster"),
+            ),
+            pytest.param("sentinel", id="sentinel", marks=pytest.mark.xdist_group("sentinel")),
         ],
         indirect=True,
     )

@@ -20,6 +20,9 @@ from tests._tasks import all_running
 from tests.conftest import closed_after, cluster_client, start_or_skip
 from tests.topologies._servers import Cluster
 
+# In the one worker that runs the core tests on the Cluster too (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("cluster")
+
 
 @pytest.fixture
 def prefix() -> str:

@@ -24,6 +24,9 @@ from tests._cli import dedup, holding
 from tests.conftest import owned, primary_client, start_or_skip
 from tests.topologies._servers import Sentinels
 
+# In the one worker that runs the core tests on the Sentinel set too (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("sentinel")
+
 logger = logging.getLogger(__name__)
 
 _FAILOVER_TIMEOUT = 30.0
