@@ -13,9 +13,17 @@ from taskiq import AsyncTaskiqTask, BrokerMessage, SendTaskError
 
 from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
 from tests._brokers import HoldingBroker, RefusingBroker, holds_no_lock
-from tests.conftest import BrokerFactory, dedup_middleware, lock_keys, lock_value
+from tests.conftest import (
+    BrokerFactory,
+    all_topologies,
+    dedup_middleware,
+    lock_keys,
+    lock_value,
+    queued_job,
+)
 
 
+@all_topologies()
 async def test_second_identical_kiq_raises_naming_the_holder(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
@@ -41,10 +49,7 @@ async def test_second_identical_kiq_raises_naming_the_holder(
 async def test_lock_value_names_the_holder_and_an_owner_token(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
-    @broker.task
-    async def job() -> None: ...
+    _, job = await queued_job(make_broker)
 
     first = await job.kiq()
     (key,) = await lock_keys(redis_client, prefix)
@@ -427,6 +432,7 @@ async def test_waiting_for_the_winner(make_broker: BrokerFactory) -> None:
     assert result.return_value == 40
 
 
+@all_topologies()
 async def test_a_burst_of_concurrent_identical_sends_lets_exactly_one_through(
     make_broker: BrokerFactory,
 ) -> None:
@@ -443,6 +449,7 @@ async def test_a_burst_of_concurrent_identical_sends_lets_exactly_one_through(
     assert {r.holder_task_id for r in rejected} == {accepted[0].task_id}
 
 
+@all_topologies()
 async def test_a_burst_of_distinct_sends_never_runs_out_of_connections(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
