@@ -60,16 +60,6 @@ def client_from_url(url: str) -> Redis:
     return Redis.from_pool(pool)
 
 
-def redacted(url: str) -> str:
-    """``url`` with its password replaced, fit to print."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rpartition("@")[2]
-    user = parts.username or ""
-    return parts._replace(netloc=f"{user}:***@{host}").geturl()
-
-
 async def connect(url: str) -> RedisClient:
     """A client for the topology ``url`` names, connected and checked with one call.
 

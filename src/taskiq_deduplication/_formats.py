@@ -125,16 +125,6 @@ def namespace_patterns(prefix: str) -> tuple[str, ...]:
     return (key_pattern(prefix), _literal(prefix) + SIDE_SEPARATOR + "*")
 
 
-def belonging_patterns(prefix: str) -> tuple[str, ...]:
-    """``SCAN MATCH`` patterns of the locks under ``prefix`` and of the keys that belong to them.
-
-    What releasing every lock under ``prefix`` deletes; the fence counter, which
-    belongs to no lock (fences must only grow), is not matched.
-    """
-    side = _literal(prefix) + SIDE_SEPARATOR
-    return (key_pattern(prefix), *(f"{side}{kind}{KEY_SEPARATOR}*" for kind in _BELONGING))
-
-
 def belonging_keys(lock: str) -> list[str]:
     """The keys that belong to the lock at key ``lock`` and go when it is released.
 

@@ -170,6 +170,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         self._states = LoopStates(self._new_client, self._events, lambda: self._metrics)
         register_states(self, self._states)
         self._executions = Executions(f"taskiq_deduplication_execution_{id(self):x}")
+        follow_runs(self, self._executions)
         pending = PendingSends()
         self._runs = Runs(self, self._states, self._events, self._executions, pending)
         self._sends = Sends(
@@ -253,7 +254,6 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             raise InvalidSettingError(msg)
         if current is None:
             _watch_kick(broker, self._sends.refused)
-            follow_runs(broker, self._executions)
         super().set_broker(broker)
 
     async def startup(self) -> None:
