@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio
 
-from taskiq_deduplication import middleware as middleware_module
-from taskiq_deduplication._lock import Lock, LockStore
+from taskiq_deduplication import _run as run_module
+from taskiq_deduplication._store import Lock, LockStore
 from tests._brokers import HoldingBroker
 from tests.conftest import BrokerFactory, lock_keys
 
@@ -45,7 +45,7 @@ async def store(redis_url: str) -> AsyncIterator[tuple[LockStore, list[float]]]:
 
 async def _taken(locks: LockStore, prefix: str, name: str) -> Lock:
     lock = Lock(f"{prefix}:{name}", f"token-{name}", f"task-{name}", 30_000)
-    assert await locks.acquire(lock, 30_000) is None
+    assert (await locks.acquire(lock, 30_000)).holder is None
     return lock
 
 
@@ -71,7 +71,7 @@ async def test_a_lingering_call_waits_for_the_next_batch_and_keeps_its_place(
     # A call that does not linger takes them with it, in order: the release of
     # `second` goes before the acquire of its key by another owner.
     other = Lock(second.key, "token-other", "task-other", 30_000)
-    assert await asyncio.wait_for(locks.acquire(other, 30_000), AT_ONCE) is None
+    assert (await asyncio.wait_for(locks.acquire(other, 30_000), AT_ONCE)).holder is None
     assert await asyncio.gather(*waiting) == [True, True]
     assert len(trips) == before + 2
     assert await redis_client.get(second.key) == other.value
@@ -96,7 +96,7 @@ async def test_a_run_alone_goes_at_once_and_runs_beside_others_share_a_round_tri
     prefix: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(middleware_module, "_RUN_LINGER", LONG)
+    monkeypatch.setattr(run_module, "_RUN_LINGER", LONG)
     broker = await make_broker(broker_class=HoldingBroker)
     release_long = asyncio.Event()
 

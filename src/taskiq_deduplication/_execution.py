@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import enum
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -21,11 +22,12 @@ from taskiq_deduplication._formats import NO_OWNER
 
 if TYPE_CHECKING:
     from taskiq import TaskiqMessage, TaskiqResult
+    from taskiq.abc.broker import AsyncBroker
 
     from taskiq_deduplication._heartbeat import Beat
-    from taskiq_deduplication._lock import Lock
     from taskiq_deduplication._loops import LoopState
     from taskiq_deduplication._policies import Policy
+    from taskiq_deduplication._store import Lock
 
 # taskiq's own labels, counted up on the running message by Context.requeue()
 # and by the retry middlewares when they send the next attempt.
@@ -197,3 +199,28 @@ class NotRun(list[Any]):
     def __iter__(self) -> Any:  # noqa: ANN401 (never returns)
         """Refuse to be unpacked: the body must not run."""
         raise NoResultError
+
+
+#: The runs each middleware follows, for a task's `TaskLock` to find its own
+#: (weakly held: a middleware that goes takes its entry with it).
+_FOLLOWED: weakref.WeakKeyDictionary[object, Executions] = weakref.WeakKeyDictionary()
+
+
+def follow_runs(middleware: object, executions: Executions) -> None:
+    """Let the tasks of ``middleware``'s broker find their runs in ``executions``."""
+    _FOLLOWED[middleware] = executions
+
+
+def run_of(broker: AsyncBroker, task_id: str) -> Execution | None:
+    """The run of ``task_id`` whose context this is, among those of ``broker``'s middlewares.
+
+    A task's dependencies (`TaskLock`) are resolved in the run's asyncio task,
+    but its body may run in another (a ``timeout`` label on Python 3.10), with
+    a copy of the context.
+    """
+    for middleware in broker.middlewares:
+        executions = _FOLLOWED.get(middleware)
+        execution = executions.of_run(task_id) if executions is not None else None
+        if execution is not None:
+            return execution
+    return None

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from taskiq_deduplication._heartbeat import Heartbeat
-from taskiq_deduplication._lock import LockStore
+from taskiq_deduplication._store import LockStore
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Callable
@@ -129,3 +130,19 @@ class LoopStates:
             finally:
                 if state.owns_client:
                     await state.client.aclose()
+
+
+#: The loop states of each middleware (by its id), for the parts that take locks
+#: beside its hooks (the scheduler's tick locks). Weakly held: the states refer
+#: to their middleware, which owns them, and both go together.
+_STATES: weakref.WeakValueDictionary[int, LoopStates] = weakref.WeakValueDictionary()
+
+
+def register_states(owner: object, states: LoopStates) -> None:
+    """Make ``states`` the loop states of ``owner`` (a middleware), as long as both live."""
+    _STATES[id(owner)] = states
+
+
+def states_of(owner: object) -> LoopStates:
+    """The loop states of ``owner``, registered with `register_states`."""
+    return _STATES[id(owner)]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 from taskiq import AsyncTaskiqTask, Context, TaskiqDepends
 from taskiq.kicker import AsyncKicker
 
+from taskiq_deduplication._execution import run_of
 from taskiq_deduplication.exceptions import DuplicateTaskError, NoLockError
 
 if TYPE_CHECKING:
@@ -215,14 +216,7 @@ class TaskLock:
 
 
 def _execution_of(context: Context) -> Execution | None:
-    from taskiq_deduplication.middleware import RedisDeduplicationMiddleware  # noqa: PLC0415
-
-    for middleware in context.broker.middlewares:
-        if isinstance(middleware, RedisDeduplicationMiddleware):
-            execution = middleware._run_of(context.message.task_id)  # noqa: SLF001 (ours)
-            if execution is not None:
-                return execution
-    return None
+    return run_of(context.broker, context.message.task_id)
 
 
 def takes_task_lock(function: Callable[..., Any]) -> bool:

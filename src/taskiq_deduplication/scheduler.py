@@ -28,15 +28,15 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from taskiq import ScheduleSource, TaskiqScheduler
 from taskiq.exceptions import ScheduledTaskCancelledError
 
 from taskiq_deduplication import _refusals
 from taskiq_deduplication._formats import holder_task_id, new_token
-from taskiq_deduplication._lock import REDIS_ERRORS, Lock
+from taskiq_deduplication._loops import states_of
+from taskiq_deduplication._store import Lock
 from taskiq_deduplication._ticks import Tick, cron_minute, is_one_off, tick_of
-from taskiq_deduplication.exceptions import DuplicateTaskError
+from taskiq_deduplication.exceptions import REDIS_ERRORS, DuplicateTaskError
 from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
 
 if TYPE_CHECKING:
@@ -44,7 +44,6 @@ if TYPE_CHECKING:
 
     from taskiq import AsyncBroker, ScheduledTask
 
-    from taskiq_deduplication._lock import LockStore
 
 __all__ = ["DeduplicatedScheduleSource", "DeduplicationScheduler"]
 
@@ -252,11 +251,20 @@ class DeduplicatedScheduleSource(ScheduleSource):
             and started - own[1] >= tick.takes_over_after
         ):
             replaces = own[0]
-        locks = await self.middleware._lock_store()  # noqa: SLF001 (one package)
+        states = states_of(self.middleware)
+        locks = (states.get() or await states.current()).locks
+        # Sent without it (fail_open), a tick lock that lands late only holds
+        # back the other replicas; the late lock of a skipped tick is undone.
         try:
-            holder = await locks.acquire(tick_lock, tick.ttl_ms, replaces)
+            acquired = await locks.acquire(
+                tick_lock,
+                tick.ttl_ms,
+                replaces=replaces,
+                undo_late=not self.middleware.fail_open,
+            )
+            holder = acquired.holder
         except REDIS_ERRORS as exc:
-            self._unreachable(task, tick, tick_lock, exc, locks)
+            self._unreachable(task, tick, exc)
             return None
         if holder is not None:
             logger.info(
@@ -280,14 +288,7 @@ class DeduplicatedScheduleSource(ScheduleSource):
         )
         return tick_lock
 
-    def _unreachable(
-        self,
-        task: ScheduledTask,
-        tick: Tick,
-        tick_lock: Lock,
-        exc: BaseException,
-        locks: LockStore,
-    ) -> None:
+    def _unreachable(self, task: ScheduledTask, tick: Tick, exc: BaseException) -> None:
         """Redis failed: send the tick without its lock (``fail_open``), or skip it.
 
         Raises:
@@ -306,13 +307,8 @@ class DeduplicatedScheduleSource(ScheduleSource):
             if sent
             else f"tick ({tick.when}) skipped",
         )
-        if sent:
-            return
-        if isinstance(exc, (RedisTimeoutError, asyncio.TimeoutError)):
-            # It may land in Redis after all: undo it then, as the tick is skipped.
-            # (Sent without it, a lock that lands late only holds back the others.)
-            locks.release_detached(tick_lock)
-        raise ScheduledTaskCancelledError
+        if not sent:
+            raise ScheduledTaskCancelledError
 
     async def _consume(self, task: ScheduledTask) -> None:
         """Tell the wrapped source that one-off ``task`` is over, though not sent here."""
@@ -459,7 +455,7 @@ def _refused(task: ScheduledTask, refused: DuplicateTaskError) -> None:
 
 def _let_go(middleware: RedisDeduplicationMiddleware, tick_lock: Lock) -> None:
     """Release the tick lock of a send that failed: a restart, or another replica, may send it."""
-    state = middleware._states.get()  # noqa: SLF001 (one package)
+    state = states_of(middleware).get()
     if state is not None:
         state.locks.release_detached(tick_lock)
         logger.info(

@@ -36,13 +36,15 @@ _LOOP = "asyncio: event loop, streams, socket writes, futures"
 #: (path fragment, category), tried on the innermost frame first.
 _OWNERS = (
     ("taskiq_deduplication/_fingerprint.py", "dedup: fingerprint"),
-    ("taskiq_deduplication/_labels.py", "dedup: labels"),
+    ("taskiq_deduplication/_settings.py", "dedup: labels"),
     ("taskiq_deduplication/_formats.py", "dedup: labels"),
-    ("taskiq_deduplication/_lock.py", "dedup: lock pipeline"),
+    ("taskiq_deduplication/_store.py", "dedup: lock pipeline"),
     ("taskiq_deduplication/_pipeline.py", "dedup: lock pipeline"),
     ("taskiq_deduplication/_redis_wire.py", "dedup: lock pipeline"),
     ("taskiq_deduplication/_heartbeat.py", "dedup: heartbeat loop"),
     ("taskiq_deduplication/middleware.py", "dedup: middleware hooks"),
+    ("taskiq_deduplication/_send.py", "dedup: middleware hooks"),
+    ("taskiq_deduplication/_run.py", "dedup: middleware hooks"),
     ("taskiq_deduplication/", "dedup: middleware hooks"),
     ("redis/", "redis-py: pack commands, parse replies, connection"),
     ("taskiq_redis/", "taskiq-redis"),

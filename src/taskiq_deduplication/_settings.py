@@ -1,11 +1,12 @@
-"""Reading the task labels: strict on the sender, tolerant on the worker.
+"""Every setting, read once: an option and its label alike.
 
-taskiq turns every label into a string before any middleware sees it
-(``deduplication=False`` arrives as ``"False"``, ``deduplication_key_fields=["a"]``
-as ``"['a']"``), and scheduled sends lose even the type table the worker uses to
-turn them back. So every label is read here from its string form as well as
-from its Python value. Parsing is cached per raw value: the same few label
-values come back on every ``kiq``.
+An option and its label (``default_ttl``, ``deduplication_ttl``) are parsed by
+one function, which reads a label's string form too: taskiq turns every label
+into a string before any middleware sees it (``deduplication=False`` arrives as
+``"False"``, ``deduplication_key_fields=["a"]`` as ``"['a']"``), and scheduled
+sends lose even the type table the worker uses to turn them back. Options are
+typed values, never read from a string. Labels are strict on the sender and
+tolerant on the worker, and parsed once per raw value.
 """
 
 from __future__ import annotations
@@ -13,14 +14,17 @@ from __future__ import annotations
 import ast
 import difflib
 import functools
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from taskiq_deduplication._policies import FINISHED, POLICIES, Policy
 from taskiq_deduplication.exceptions import InvalidSettingError
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
+
+    from taskiq.abc.broker import AsyncBroker
 
 ENABLED_LABEL: Final = "deduplication"
 TTL_LABEL: Final = "deduplication_ttl"
@@ -110,7 +114,11 @@ def read_send_options(labels: Mapping[str, Any], defaults: Defaults) -> SendOpti
             others; the message names the label and the value.
     """
     enabled = labels.get(ENABLED_LABEL)
-    if not (defaults.enabled if enabled is None else _parse(_parse_bool, ENABLED_LABEL, enabled)):
+    if not (
+        defaults.enabled
+        if enabled is None
+        else _parse(_parse_bool, ENABLED_LABEL, enabled, text=True)
+    ):
         return None
     ttl = labels.get(TTL_LABEL)
     key = labels.get(KEY_LABEL)
@@ -119,7 +127,9 @@ def read_send_options(labels: Mapping[str, Any], defaults: Defaults) -> SendOpti
     until = labels.get(UNTIL_LABEL)
     success_ttl = labels.get(SUCCESS_TTL_LABEL)
     exclusive = labels.get(EXCLUSIVE_LABEL)
-    policy = defaults.policy if until is None else _parse(_parse_until, UNTIL_LABEL, until)
+    policy = (
+        defaults.policy if until is None else _parse(_parse_until, UNTIL_LABEL, until, text=True)
+    )
     if running_ttl is not None and not (defaults.heartbeat and policy.heartbeat):
         reason = (
             "the heartbeat (heartbeat=True)"
@@ -131,7 +141,7 @@ def read_send_options(labels: Mapping[str, Any], defaults: Defaults) -> SendOpti
     if success_ttl is None:
         remembered = defaults.success_ttl if policy.remembers_success else 0
     else:
-        remembered = _parse(_parse_success_ttl, SUCCESS_TTL_LABEL, success_ttl)
+        remembered = _parse(_parse_success_ttl, SUCCESS_TTL_LABEL, success_ttl, text=True)
         if remembered and not policy.remembers_success:
             msg = (
                 f"label {SUCCESS_TTL_LABEL!r} ({remembered}s) needs "
@@ -140,19 +150,21 @@ def read_send_options(labels: Mapping[str, Any], defaults: Defaults) -> SendOpti
             )
             raise InvalidSettingError(msg)
     return SendOptions(
-        ttl=defaults.ttl if ttl is None else _parse(_parse_ttl, TTL_LABEL, ttl),
+        ttl=defaults.ttl if ttl is None else _parse(_parse_ttl, TTL_LABEL, ttl, text=True),
         merge=_read_merge(labels),
         key=None if key is None else _parse(_parse_key, KEY_LABEL, key),
         key_fields=None if fields is None else _parse(_parse_key_fields, KEY_FIELDS_LABEL, fields),
         running_ttl=(
-            None if running_ttl is None else _parse(_parse_ttl, RUNNING_TTL_LABEL, running_ttl)
+            None
+            if running_ttl is None
+            else _parse(_parse_ttl, RUNNING_TTL_LABEL, running_ttl, text=True)
         ),
         policy=policy,
         success_ttl=remembered,
         exclusive=(
             defaults.exclusive
             if exclusive is None
-            else _parse(_parse_bool, EXCLUSIVE_LABEL, exclusive)
+            else _parse(_parse_bool, EXCLUSIVE_LABEL, exclusive, text=True)
         ),
     )
 
@@ -222,49 +234,185 @@ def read_running_ttl(labels: Mapping[str, Any], *, default: int | None) -> int |
     if value is None:
         return default
     try:
-        return _parse_ttl(value)
-    except (TypeError, ValueError):  # TypeError: an unhashable value
+        seconds: int = _uncached_if_unhashable(_parse_ttl, value)(value, text=True)
+    except (TypeError, ValueError):
         return default
+    return seconds
 
 
-def _parse(parser: Any, label: str, value: object) -> Any:  # noqa: ANN401 (each parser has its own type)
+# Options
+
+
+def check_bool(name: str, value: object) -> bool:
+    """A yes-or-no option (labels such as ``deduplication`` are read alike)."""
+    flag: bool = _option(_parse_bool, name, value)
+    return flag
+
+
+def check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        msg = f"{name} must be a whole number of at least {minimum}, not {value!r}"
+        raise InvalidSettingError(msg)
+    if maximum is not None and value > maximum:
+        msg = f"{name} must be at most {maximum}, not {value!r}"
+        raise InvalidSettingError(msg)
+    return value
+
+
+def check_seconds(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        msg = f"{name} must be a finite number of seconds of at least 0, not {value!r}"
+        raise InvalidSettingError(msg)
+    return float(value)
+
+
+def check_prefix(value: object) -> str:
+    if not isinstance(value, str) or not value:
+        msg = f"key_prefix must be a non-empty string, not {value!r}"
+        raise InvalidSettingError(msg)
     try:
-        hash(value)
-    except TypeError:  # an unhashable raw value (a list) skips the cache
-        parser = parser.__wrapped__
+        check_text(value)
+    except ValueError as exc:
+        msg = f"key_prefix {value!r} cannot be a Redis key: {exc}"
+        raise InvalidSettingError(msg) from None
+    return value
+
+
+def check_running_ttl(value: object, heartbeat: bool, interval: float | None) -> int | None:  # noqa: FBT001 (checked options, passed on)
+    if value is None:
+        return None
+    seconds = check_ttl("running_ttl", value)
+    if not heartbeat:
+        msg = "running_ttl needs the heartbeat: a lease nobody refreshes lapses mid-run"
+        raise InvalidSettingError(msg)
+    if interval is not None and interval >= seconds:
+        msg = (
+            f"heartbeat_interval ({interval}s) must be shorter than running_ttl "
+            f"({seconds}s), or the lease expires between refreshes"
+        )
+        raise InvalidSettingError(msg)
+    return seconds
+
+
+def check_interval(value: object, default_ttl: int) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        msg = f"heartbeat_interval must be a positive number of seconds or None, not {value!r}"
+        raise InvalidSettingError(msg)
+    if value >= default_ttl:
+        msg = (
+            f"heartbeat_interval ({value}s) must be shorter than default_ttl "
+            f"({default_ttl}s), or the lock expires between refreshes"
+        )
+        raise InvalidSettingError(msg)
+    return float(value)
+
+
+def check_until(value: object) -> Policy:
+    """The policy named by the ``default_until`` option, as its label names one."""
+    policy: Policy = _option(_parse_until, "default_until", value)
+    return policy
+
+
+def check_success_ttl(value: object) -> int:
+    """The ``default_success_ttl`` option, as its label: whole seconds, 0 for none."""
+    seconds: int = _option(_parse_success_ttl, "default_success_ttl", value)
+    return seconds
+
+
+def check_ttl(name: str, value: object) -> int:
+    """A TTL option (``default_ttl``, ``running_ttl``), as its label: 1 s to ten years."""
+    seconds: int = _option(_parse_ttl, name, value)
+    return seconds
+
+
+class Options(Protocol):
+    """The options that a send and a run read as the middleware has them now."""
+
+    @property
+    def key_prefix(self) -> str:
+        """Prefix of every lock key (an application may set it after construction)."""
+
+    @property
+    def fail_open(self) -> bool:
+        """Whether a Redis error lets a send or a run go on without its lock."""
+
+    @property
+    def heartbeat(self) -> bool:
+        """Whether running tasks' locks are refreshed."""
+
+    @property
+    def heartbeat_interval(self) -> float | None:
+        """Seconds between refreshes, if set."""
+
+    @property
+    def running_ttl(self) -> int | None:
+        """The running lease in seconds, if set."""
+
+    @property
+    def broker(self) -> AsyncBroker:
+        """The broker the middleware is registered on."""
+
+
+# Parsers, each shared by an option and a label where both exist
+
+
+def _parse(parser: Any, label: str, value: object, **how: bool) -> Any:  # noqa: ANN401 (each parser has its own type)
+    """``value`` of ``label`` as ``parser`` reads it (``text=True``: from its string too)."""
     try:
-        return parser(value)
+        return _uncached_if_unhashable(parser, value)(value, **how)
     except ValueError as exc:
         msg = f"invalid value {value!r} for label {label!r}: {exc}"
         raise InvalidSettingError(msg) from None
 
 
+def _option(parser: Any, name: str, value: object) -> Any:  # noqa: ANN401 (each parser has its own type)
+    """``value`` of option ``name`` as ``parser`` reads a label's, but never from a string."""
+    try:
+        return _uncached_if_unhashable(parser, value)(value, text=False)
+    except ValueError as exc:
+        msg = f"invalid value {value!r} for option {name!r}: {exc}"
+        raise InvalidSettingError(msg) from None
+
+
+def _uncached_if_unhashable(parser: Any, value: object) -> Any:  # noqa: ANN401
+    try:
+        hash(value)
+    except TypeError:  # an unhashable raw value (a list) skips the cache
+        return parser.__wrapped__
+    return parser
+
+
 @functools.lru_cache(maxsize=256, typed=True)
-def _parse_bool(value: object) -> bool:
+def _parse_bool(value: object, *, text: bool) -> bool:
     if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+    if text and isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
         return value.strip().lower() in _TRUE
     msg = "expected a boolean (True or False)"
     raise ValueError(msg)
 
 
 @functools.lru_cache(maxsize=256, typed=True)
-def _parse_ttl(value: object) -> int:
+def _parse_ttl(value: object, *, text: bool) -> int:
+    return _whole_seconds(value, text=text, least=1, what="the TTL")
+
+
+def _whole_seconds(value: object, *, text: bool, least: int, what: str) -> int:
+    """Whole seconds from ``least`` to ten years (from a string too, with ``text``)."""
     if isinstance(value, bool):
         msg = "expected a whole number of seconds, not a boolean"
         raise ValueError(msg)
-    if isinstance(value, int):
-        seconds = value
-    elif isinstance(value, str) and value.strip().lstrip("+-").isdigit():
-        seconds = int(value)
-    else:
+    if text and isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        value = int(value)
+    if not isinstance(value, int):
         msg = "expected a whole number of seconds"
         raise ValueError(msg)
-    if not 1 <= seconds <= MAX_TTL:
-        msg = f"the TTL must be from 1 to {MAX_TTL} seconds (ten years)"
+    if not least <= value <= MAX_TTL:
+        msg = f"{what} must be from {least} to {MAX_TTL} seconds (ten years)"
         raise ValueError(msg)
-    return seconds
+    return value
 
 
 @functools.lru_cache(maxsize=256, typed=True)
@@ -321,8 +469,8 @@ def _parse_key_fields(value: object) -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=64, typed=True)
-def _parse_until(value: object) -> Policy:
-    name = value.strip().lower() if isinstance(value, str) else value
+def _parse_until(value: object, *, text: bool) -> Policy:
+    name = value.strip().lower() if text and isinstance(value, str) else value
     policy = POLICIES.get(name) if isinstance(name, str) else None
     if policy is None:
         msg = f"expected one of {', '.join(map(repr, POLICIES))}"
@@ -331,16 +479,8 @@ def _parse_until(value: object) -> Policy:
 
 
 @functools.lru_cache(maxsize=256, typed=True)
-def _parse_success_ttl(value: object) -> int:
-    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        msg = "expected a whole number of seconds"
-        raise ValueError(msg)
-    if not 0 <= value <= MAX_TTL:
-        msg = f"the success TTL must be from 0 to {MAX_TTL} seconds (ten years)"
-        raise ValueError(msg)
-    return value
+def _parse_success_ttl(value: object, *, text: bool) -> int:
+    return _whole_seconds(value, text=text, least=0, what="the success TTL")
 
 
 @functools.lru_cache(maxsize=64, typed=True)

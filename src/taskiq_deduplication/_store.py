@@ -4,7 +4,7 @@ The key and value formats are those of `_formats.py`: the owner token in the
 value is new for every send, so a lock can only be extended or released by the
 send that took it.
 
-Every script call goes through one `Pipeline` (in `pipeline.py`),
+Every script call goes through one `Pipeline` (in `_pipeline.py`),
 which keeps them in order and sends those issued in the same instant together.
 """
 
@@ -16,16 +16,15 @@ from importlib import resources
 from typing import TYPE_CHECKING, Final
 
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from taskiq_deduplication._formats import lock_value
 from taskiq_deduplication._pipeline import (
-    MAX_QUEUED,
-    CallTimeoutError,
     Pipeline,
     ScriptCall,
     text,
 )
+from taskiq_deduplication.exceptions import CallTimeoutError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -35,9 +34,6 @@ if TYPE_CHECKING:
 
     RedisClient = Redis | RedisCluster
 
-#: The errors that mean "Redis could not be reached or did not answer". A cluster
-#: client that reaches no node raises RedisClusterException, which is no RedisError.
-REDIS_ERRORS: Final = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
 
 # Most locks in one re-assert call.
 _MAX_KEYS_PER_REASSERT: Final = 500
@@ -66,7 +62,7 @@ class Lock:
 
 @dataclass(frozen=True, slots=True)
 class Acquired:
-    """What `LockStore.acquire_with` found."""
+    """What `LockStore.acquire` found."""
 
     holder: str | None
     """``None`` when the lock is now this send's, else the holder's value."""
@@ -97,6 +93,9 @@ class Claimed:
     arguments: bytes | None = None
     """The latest merged arguments, serialised, if there were any to claim."""
 
+
+#: A lock taken with nothing besides it (the common case: no allocation).
+_TAKEN: Final = Acquired(None)
 
 # The first element of claim.lua's reply besides an outcome or a debounce's wait.
 _WAIT_FOR_RUN: Final = 3
@@ -161,9 +160,6 @@ class LockStore:
             detached_timeout=_DETACHED_TIMEOUT,
             round_trip=round_trip,
         )
-        # Owner tokens of acquires that timed out before they were sent: they
-        # never ran, so the release that would undo one has nothing to undo.
-        self._never_sent: dict[str, None] = {}
         # A multi-key script must stay in one hash slot on a cluster.
         self._keys_per_reassert = 1 if isinstance(client, RedisCluster) else _MAX_KEYS_PER_REASSERT
 
@@ -171,34 +167,7 @@ class LockStore:
         """Load the scripts into the server, so the first calls need no fallback."""
         await self._pipeline.load_scripts()
 
-    async def acquire(self, lock: Lock, ttl_ms: int, replaces: str = "") -> str | None:
-        """Take ``lock`` for ``ttl_ms`` milliseconds.
-
-        Args:
-            lock: The lock to take.
-            ttl_ms: Its TTL for now (the grace TTL of a send in flight).
-            replaces: The value of a lock this one may take over (the lock of the
-                attempt a retry re-sends), or ``""``.
-
-        Returns:
-            ``None`` when the lock is taken, else the value of the current holder.
-        """
-        try:
-            reply = await self._pipeline.call(
-                self._acquire, [lock.key], [lock.token, lock.task_id, ttl_ms, replaces]
-            )
-        except CallTimeoutError as exc:
-            if not exc.sent:
-                self._remember_never_sent(lock)
-            raise
-        return None if reply is None else text(reply)
-
-    def _remember_never_sent(self, lock: Lock) -> None:
-        if len(self._never_sent) >= MAX_QUEUED:  # nobody undid the oldest
-            del self._never_sent[next(iter(self._never_sent))]
-        self._never_sent[lock.token] = None
-
-    async def acquire_with(  # noqa: PLR0913 (the script's arguments, each named)
+    async def acquire(  # noqa: PLR0913 (the script's arguments, each named)
         self,
         lock: Lock,
         ttl_ms: int,
@@ -208,36 +177,50 @@ class LockStore:
         arguments: bytes = b"",
         fence_key: str | None = None,
         task_name: str = "",
+        undo_late: bool = True,
     ) -> Acquired:
-        """Take ``lock`` as `acquire` does, for a task that merges calls or takes a fence.
+        """Take ``lock`` for ``ttl_ms`` milliseconds; one script, one round trip.
+
+        An acquire that may still land in Redis after its caller gave up (a
+        timeout, a cancelled caller) is undone: its release is queued, unless
+        the call never left this process or ``undo_late`` is off.
 
         Args:
             lock: The lock to take.
             ttl_ms: Its TTL for now (the grace TTL of a send in flight).
-            replaces: The value of a lock this one may take over, or ``""``.
+            replaces: The value of a lock this one may take over (the lock of the
+                attempt a retry re-sends), or ``""``.
             merge_key: Where the latest arguments are kept, for a task that merges.
             arguments: The call's serialised arguments, for a task that merges.
             fence_key: The counter to draw a fence from, for a task that takes one.
             task_name: The task's name, for a task that merges: calls merge only
                 into a message of the same task.
+            undo_late: Whether to undo an acquire that may land late (off for
+                a tick sent without its lock: a late lock only holds back the
+                other replicas).
         """
-        keys = _keys_of(lock, merge_key, fence_key)
-        args: list[str | int] = [
-            lock.token,
-            lock.task_id,
-            ttl_ms,
-            replaces,
-            arguments.decode() if merge_key is not None else "",
-            int(fence_key is not None),
-            lock.ttl_ms,
-            int(bool(replaces)),
-            task_name,
-        ]
         try:
+            if merge_key is None and fence_key is None:
+                reply = await self._pipeline.call(
+                    self._acquire, [lock.key], [lock.token, lock.task_id, ttl_ms, replaces]
+                )
+                return _TAKEN if reply is None else Acquired(text(reply))
+            keys = _keys_of(lock, merge_key, fence_key)
+            args: list[str | int] = [
+                lock.token,
+                lock.task_id,
+                ttl_ms,
+                replaces,
+                arguments.decode() if merge_key is not None else "",
+                int(fence_key is not None),
+                lock.ttl_ms,
+                int(bool(replaces)),
+                task_name,
+            ]
             status, value = await self._pipeline.call(self._acquire_with, keys, args)
-        except CallTimeoutError as exc:
-            if not exc.sent:
-                self._remember_never_sent(lock)
+        except (RedisTimeoutError, asyncio.TimeoutError, asyncio.CancelledError) as exc:
+            if undo_late and not (isinstance(exc, CallTimeoutError) and not exc.sent):
+                self.release_detached(lock)
             raise
         if status == 1:
             return Acquired(None, fence=int(value) or None)
@@ -374,15 +357,7 @@ class LockStore:
         self._pipeline.queue(self._unsent, keys, [lock.token], f"release lock {lock.key!r}")
 
     def release_detached(self, lock: Lock) -> None:
-        """Release ``lock`` if still owned, soon, without waiting for the reply.
-
-        Nothing is sent when it would undo an acquire that never left this
-        process (one that timed out in the queue during an outage): after an
-        outage, Redis gets only the releases that can matter.
-        """
-        if lock.token in self._never_sent:
-            del self._never_sent[lock.token]
-            return
+        """Release ``lock`` if still owned, soon, without waiting for the reply."""
         self._pipeline.queue(self._release, [lock.key], [lock.token], f"release lock {lock.key!r}")
 
     async def extend(self, lock: Lock, ttl_ms: int, *, linger: float = 0.0) -> bool:

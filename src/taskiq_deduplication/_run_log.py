@@ -1,0 +1,179 @@
+"""What a run says as it begins: the log lines and lock events of its claim.
+
+A run that begins may find its lock taken back or lost, wait for another run
+of its key, not run at all (a copy of a run that succeeded), or fail to reach
+Redis; `_run.py` decides, this module says it, under the middleware's logger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from taskiq_deduplication._formats import SUCCEEDED_MARK, holder_task_id
+from taskiq_deduplication._policies import Step
+from taskiq_deduplication._store import Reasserted
+from taskiq_deduplication.events import LockEventKind
+
+if TYPE_CHECKING:
+    from taskiq import TaskiqMessage
+
+    from taskiq_deduplication._execution import Execution
+    from taskiq_deduplication._formats import RecordedLock
+    from taskiq_deduplication._store import Lock
+    from taskiq_deduplication.events import EventSink
+
+# The middleware's logger: the hooks log under it, wherever their code lives.
+logger = logging.getLogger("taskiq_deduplication.middleware")
+
+# What a run that could not claim its lock at its start does.
+_NOT_BEGUN: Final = (
+    "it runs with the arguments it was sent with, not knowing whether another run of its "
+    "key goes on"
+)
+
+
+def started(
+    events: EventSink, execution: Execution, message: TaskiqMessage, reply: int | str
+) -> None:
+    """Say what a run found of its lock as it began: taken back, or held by another."""
+    key = execution.lock.key
+    if reply == Reasserted.TAKEN_BACK:
+        logger.warning(
+            "Lock %r of task %s (%s) had expired while the task was queued; taken back",
+            key,
+            message.task_name,
+            message.task_id,
+        )
+        events.emit(
+            LockEventKind.TAKEN_BACK, message.task_name, message.task_id, key, message.task_id
+        )
+    elif isinstance(reply, str):
+        holder = holder_task_id(reply)
+        logger.warning(
+            "Task %s (%s) runs although task %s now holds its lock %r",
+            message.task_name,
+            message.task_id,
+            holder,
+            key,
+        )
+        events.emit(LockEventKind.LOST, message.task_name, message.task_id, key, holder)
+        execution.owned = False
+
+
+def waits(events: EventSink, execution: Execution, message: TaskiqMessage, slot: str) -> None:
+    """Say that a run waits for another run of its key (once per run)."""
+    holder = holder_task_id(slot)
+    logger.info(
+        "Task %s (%s) waits to run: %s goes on under its lock %r",
+        message.task_name,
+        message.task_id,
+        "another run of this task" if holder == message.task_id else f"task {holder}",
+        execution.lock.key,
+    )
+    events.emit(
+        LockEventKind.WAITING, message.task_name, message.task_id, execution.lock.key, holder
+    )
+
+
+def skipped(events: EventSink, execution: Execution, message: TaskiqMessage, slot: str) -> None:
+    """Say that a delivery does not run: its run succeeded, or a retry carries it on."""
+    logger.info(
+        "Task %s (%s) not run: the broker delivered it again, and %s (lock %r)",
+        message.task_name,
+        message.task_id,
+        "its run succeeded"
+        if slot.startswith(SUCCEEDED_MARK)
+        else "a retry of it took its lock over",
+        execution.lock.key,
+    )
+    events.emit(
+        LockEventKind.SKIPPED,
+        message.task_name,
+        message.task_id,
+        execution.lock.key,
+        holder_task_id(slot),
+    )
+
+
+def took_over(events: EventSink, execution: Execution, message: TaskiqMessage, holder: str) -> None:
+    """Say that an exclusive run took its lock from a send that was queued meanwhile."""
+    logger.warning(
+        "Lock %r of task %s (%s) had expired while the task was queued and task %s "
+        "took it; this run takes it back, and that task's run will wait for it",
+        execution.lock.key,
+        message.task_name,
+        message.task_id,
+        holder_task_id(holder),
+    )
+    events.emit(
+        LockEventKind.TAKEN_BACK,
+        message.task_name,
+        message.task_id,
+        execution.lock.key,
+        message.task_id,
+    )
+
+
+def claim_failed(  # noqa: PLR0913 (what the message says, each named)
+    execution: Execution,
+    recorded: RecordedLock,
+    message: TaskiqMessage,
+    run: Lock | None,
+    exc: BaseException,
+    *,
+    fail_open: bool,
+) -> Failing:
+    """Say that a run could not claim its lock as it begins, because Redis failed.
+
+    An exclusive run then waits for Redis, for at most its run slot's lease:
+    another run of its key may go on, and past that lease it would have
+    lapsed in the same outage (unless that run still reaches Redis: a
+    worker cut off from it, the one case a fence tells). With ``fail_open``,
+    and for a run that is not exclusive, it runs at once.
+    """
+    waits = 0.0 if run is None or fail_open else run.ttl_ms / 1000
+    if (
+        recorded.merge is None
+        and recorded.fence is None
+        and (execution.policy.at_start is Step.REASSERT)
+    ):
+        text = "Could not re-assert lock %r of task %s (%s)"
+        args: tuple[object, ...] = (execution.lock.key, message.task_name, message.task_id)
+    else:
+        text = "Could not begin the run of task %s (%s) with lock %r"
+        args = (message.task_name, message.task_id, execution.lock.key)
+    if waits:
+        text += ": %s: %s; it waits for Redis, at most %ds, before it runs"
+        logger.warning(text, *args, type(exc).__name__, exc, waits)
+    else:
+        text += ": %s: %s; " + _NOT_BEGUN
+        logger.warning(text, *args, type(exc).__name__, exc)
+    return Failing(asyncio.get_running_loop().time() + waits, waited=bool(waits))
+
+
+@dataclass(slots=True)
+class Failing:
+    """A run whose claim failed on a Redis error: until when it tries again."""
+
+    until: float
+    waited: bool
+
+    def delay(self, poll: float) -> float | None:
+        """Seconds to wait before the next try, or ``None`` to run without the claim."""
+        left = self.until - asyncio.get_running_loop().time()
+        return None if left <= 0 else min(poll, left)
+
+    def gives_up(self, execution: Execution, message: TaskiqMessage) -> None:
+        """Say that the run goes on without its claim, after waiting for Redis."""
+        if self.waited:
+            text = "Task %s (%s) runs without its lock %r: Redis did not answer for a lease; "
+            text += _NOT_BEGUN
+            logger.warning(
+                text,
+                message.task_name,
+                message.task_id,
+                execution.lock.key,
+            )

@@ -1,0 +1,460 @@
+"""A send of a locked task, from ``pre_send`` to ``post_send`` or the broker's refusal.
+
+Plan the send (its key, its owner token, the grace TTL), take the lock in one
+script, and say what became of it: taken, refused as a duplicate (or merged
+into the queued holder, or joined by `kiq_or_join`), carried on by a retry, or
+sent without a lock (``fail_open``, or a retry that found the lock taken).
+Once the broker has the message, the lock gets its full TTL; when the broker
+refuses it, the lock goes at once.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from typing import TYPE_CHECKING, Final
+
+from redis.asyncio.cluster import RedisCluster
+from taskiq import TaskiqMessage
+
+from taskiq_deduplication import _keys as keys
+from taskiq_deduplication import _refusals
+from taskiq_deduplication import _settings as settings
+from taskiq_deduplication._execution import Execution, Executions, Resent
+from taskiq_deduplication._formats import (
+    NO_OWNER,
+    RecordedLock,
+    drop_lock_labels,
+    fence_key,
+    holder_task_id,
+    merge_key,
+    new_token,
+    read_lock_labels,
+    write_lock_labels,
+)
+from taskiq_deduplication._pending import PendingSend
+from taskiq_deduplication._policies import RetrySend
+from taskiq_deduplication._store import Acquired, Lock
+from taskiq_deduplication.calls import joining, takes_task_lock
+from taskiq_deduplication.events import LockEventKind
+from taskiq_deduplication.exceptions import REDIS_ERRORS, DuplicateTaskError, InvalidSettingError
+
+if TYPE_CHECKING:
+    from taskiq import BrokerMessage
+
+    from taskiq_deduplication._loops import LoopStates
+    from taskiq_deduplication._pending import PendingSends
+    from taskiq_deduplication._run import Runs
+    from taskiq_deduplication._settings import Options
+    from taskiq_deduplication.events import EventSink
+
+# The middleware's logger: the hooks log under it, wherever their code lives.
+logger = logging.getLogger("taskiq_deduplication.middleware")
+
+#: How long the lock of a send in flight lives before the broker accepts it.
+GRACE_TTL: Final = 10
+
+
+class Sends:
+    """The sends of one middleware: each takes its lock, or is refused."""
+
+    def __init__(  # noqa: PLR0913 (the middleware's parts a send uses, each named)
+        self,
+        options: Options,
+        *,
+        defaults: settings.Defaults,
+        states: LoopStates,
+        events: EventSink,
+        runs: Runs,
+        executions: Executions,
+        pending: PendingSends,
+    ) -> None:
+        """Send with the middleware's parts; a retry from inside a run hands it to ``runs``."""
+        self._options = options
+        self._defaults = defaults
+        self._states = states
+        self._events = events
+        self._runs = runs
+        self._executions = executions
+        self._pending = pending
+        # Whether each task (by name) takes a TaskLock, so that its sends draw a fence.
+        self._fenced: dict[str, bool] = {}
+
+    async def pre_send(self, message: TaskiqMessage) -> TaskiqMessage:
+        """Take the task's lock before the message goes to the broker (see the hook)."""
+        send = settings.read_send_options(message.labels, self._defaults)
+        if send is None:
+            drop_lock_labels(message.labels)
+            self._outcome(LockEventKind.OFF, message, None, None)
+            return message
+        running = self._executions.current(message.task_id)
+        earlier = running.holds if running is not None else _lock_of(message)
+        policy = send.policy
+        if earlier is not None and policy.retry is RetrySend.KEEP:
+            return await self._keep(message, earlier, running, send)
+        prefix = self._options.key_prefix
+        key = earlier.key if earlier is not None else keys.lock_key_of(prefix, message, send)
+        digest = keys.arguments_digest_of(message, send)
+        lock = Lock(key, new_token(digest), message.task_id, send.ttl * 1000)
+        acquired = await self._acquire(lock, earlier, message, send)
+        if acquired is None:  # Redis failed, and fail_open lets the send go
+            return self._without_lock(message, running, key, send)
+        if acquired.holder is not None:
+            holder_id = holder_task_id(acquired.holder)
+            if earlier is not None and policy.retry is RetrySend.TAKE_IF_FREE:
+                logger.info(
+                    "Retry of task %s (%s) sent without a lock: task %s, queued "
+                    "meanwhile, holds lock %r",
+                    message.task_name,
+                    message.task_id,
+                    holder_id,
+                    key,
+                )
+                self._outcome(LockEventKind.OFF, message, key, holder_id)
+                return self._without_lock(message, running, key, send)
+            raise self._refusal(message, key, acquired.holder, acquired, digest=digest, send=send)
+        if earlier is not None:
+            logger.debug(
+                "Retry of task %s (%s) took over lock %r", message.task_name, message.task_id, key
+            )
+        if running is not None:
+            running.resent = Resent.WITH_THE_LOCK
+            running.stop_heartbeat()
+            await self._runs.hand_over(running, lock, message)
+        merges = self._record(message, key, lock.token, send, acquired.fence)
+        if self._events.active:  # inline: the one point every accepted send passes
+            self._outcome(LockEventKind.LOCKED, message, key, message.task_id)
+        self._pending.add(
+            PendingSend(
+                lock,
+                merge_key(prefix, key) if merges else None,
+                extends=lock.ttl_ms > GRACE_TTL * 1000,  # else the grace TTL is its TTL
+                taken=True,
+            )
+        )
+        return message
+
+    async def post_send(self, message: TaskiqMessage) -> None:
+        """Give the lock its full TTL, now that the broker accepted the message (see the hook)."""
+        send = self._pending.take(message.labels, message.task_id) or self._forgotten(message)
+        if send is None or send.ended:
+            return  # sent without a lock, or its run ended the lock already
+        lock = send.lock
+        if not send.extends and send.merged_key is None:
+            return
+        state = self._states.get() or await self._states.current()
+        if send.merged_key is not None:
+            # Calls merge into its message from now on: a broker accepted it.
+            ttl_ms = lock.ttl_ms if send.extends else 0
+            await state.locks.accepted_detached(lock, send.merged_key, ttl_ms)
+        else:
+            await state.locks.extend_detached(lock)
+
+    def refused(self, message: BrokerMessage, error: Exception) -> None:
+        """Release at once the lock of a send of this process that the broker refused.
+
+        taskiq calls no hook then (``kiq`` raises ``SendTaskError``); the
+        broker's ``kick`` tells us instead. Only a send still between its
+        pre_send and post_send counts (a requeue from inside a run carries
+        its run's lock, not a send's). Owner-checked and queued in order, so
+        the caller's own retry finds the lock free. A send that ends without
+        telling (the process dies, the kiq is cancelled) leaves its lock to
+        the grace TTL.
+        """
+        send = self._pending.take(message.labels, message.task_id)
+        if send is None or not send.taken or send.ended:
+            return
+        state = self._states.get()
+        if state is None:
+            return
+        logger.info(
+            "Lock %r of task %s (%s) released: the broker refused the send (%s)",
+            send.lock.key,
+            message.task_name,
+            message.task_id,
+            type(error).__name__,
+        )
+        state.locks.release_unsent(send.lock, send.merged_key)
+
+    def _forgotten(self, message: TaskiqMessage) -> PendingSend | None:
+        """The send of ``message`` as its labels record it, when its record was forgotten.
+
+        More than `MAX_SENDS_IN_FLIGHT` sends between their pre_send and
+        post_send at once (a bulk enqueue of thousands) forget the oldest
+        records; their locks still get their full TTL.
+        """
+        recorded = read_lock_labels(message.labels, message.task_id)
+        if recorded is None or recorded.token == NO_OWNER:
+            return None
+        lock = Lock(recorded.key, recorded.token, message.task_id, recorded.ttl * 1000)
+        merges = recorded.merge is not None
+        merged_key = merge_key(self._options.key_prefix, lock.key) if merges else None
+        return PendingSend(lock, merged_key, extends=lock.ttl_ms > GRACE_TTL * 1000, taken=True)
+
+    def key_of(self, message: TaskiqMessage) -> str | None:
+        """The key a first send of ``message`` takes, or ``None`` if it is not deduplicated.
+
+        What ``pre_send`` computes, for ``taskiq dedup key``; raises as it does
+        on a bad label or arguments that cannot be fingerprinted.
+        """
+        send = settings.read_send_options(message.labels, self._defaults)
+        if send is None:
+            return None
+        return keys.lock_key_of(self._options.key_prefix, message, send)
+
+    async def _acquire(
+        self, lock: Lock, earlier: Lock | None, message: TaskiqMessage, send: settings.SendOptions
+    ) -> Acquired | None:
+        """Take ``lock`` for the grace TTL, with its merged arguments and fence if it has them.
+
+        A Redis error raises, or with ``fail_open`` is logged and gives ``None``.
+
+        Raises:
+            InvalidSettingError: The task merges its calls or takes a fence on a
+                Redis Cluster, under a key_prefix without a hash tag.
+        """
+        state = self._states.get() or await self._states.current()
+        prefix = self._options.key_prefix
+        fenced = self._wants_fence(message.task_name)
+        merging = send.merge is not None and merge_key(prefix, lock.key) is not None
+        if (
+            (send.merge is not None or fenced)
+            and isinstance(state.client, RedisCluster)
+            and "{" not in prefix
+        ):
+            msg = (
+                f"task {message.task_name!r} merges its calls or takes a fence: on Redis "
+                "Cluster that needs a key_prefix with a hash tag, such as '{dedup}', so "
+                "that its lock and the keys beside it share a slot"
+            )
+            raise InvalidSettingError(msg)
+        try:
+            return await state.locks.acquire(
+                lock,
+                min(GRACE_TTL * 1000, lock.ttl_ms),
+                replaces=earlier.value if earlier is not None else "",
+                merge_key=merge_key(prefix, lock.key) if merging else None,
+                arguments=self._serialise_arguments(message) if merging else b"",
+                fence_key=fence_key(prefix) if fenced else None,
+                task_name=message.task_name if merging else "",
+            )
+        except REDIS_ERRORS as exc:
+            if not self._options.fail_open:
+                raise
+            logger.warning(
+                "Could not take deduplication lock %r for task %s (%s): %s: %s; "
+                "sending it without a lock (fail_open)",
+                lock.key,
+                message.task_name,
+                message.task_id,
+                type(exc).__name__,
+                exc,
+            )
+            self._outcome(LockEventKind.FAIL_OPEN, message, lock.key, None, error=exc)
+            return None
+
+    async def _keep(
+        self,
+        message: TaskiqMessage,
+        earlier: Lock,
+        running: Execution | None,
+        send: settings.SendOptions,
+    ) -> TaskiqMessage:
+        """Send a retry with the lock of the attempt it continues, as that lock is.
+
+        No Redis call, unless the task merges its calls: then one, so that
+        calls merge into the retry while it waits in the queue.
+        """
+        if send.merge is not None:
+            await self._reopen_merge(message, earlier)
+        if running is not None:
+            running.resent = Resent.WITH_THE_LOCK
+            running.stop_heartbeat()
+            await self._runs.hand_over(running, earlier, message)
+        fence = running.fence if running is not None else _recorded_fence(message)
+        merges = self._record(message, earlier.key, earlier.token, send, fence)
+        self._outcome(LockEventKind.LOCKED, message, earlier.key, message.task_id)
+        # Its post_send leaves the TTL alone, and only lets calls merge into it.
+        if earlier.token != NO_OWNER:
+            merged_key = merge_key(self._options.key_prefix, earlier.key) if merges else None
+            self._pending.add(PendingSend(earlier, merged_key, extends=False, taken=False))
+        return message
+
+    def _wants_fence(self, task_name: str) -> bool:
+        """Whether the task takes a `TaskLock`, looked up once per task name."""
+        wants = self._fenced.get(task_name)
+        if wants is None:
+            broker = getattr(self._options, "broker", None)
+            task = broker.find_task(task_name) if broker is not None else None
+            wants = task is not None and takes_task_lock(task.original_func)
+            self._fenced[task_name] = wants
+        return wants
+
+    async def _reopen_merge(self, message: TaskiqMessage, lock: Lock) -> None:
+        """Let later calls merge into a retry that keeps its lock as it is ("expired").
+
+        Its attempt's run claimed the merged arguments; a call that comes while
+        the retry waits in the queue merges into it, as under the other policies.
+        """
+        merged_key = merge_key(self._options.key_prefix, lock.key)
+        if merged_key is None:
+            return
+        state = self._states.get() or await self._states.current()
+        arguments = self._serialise_arguments(message)
+        try:
+            await state.locks.reopen_merge(lock, merged_key, arguments, message.task_name)
+        except REDIS_ERRORS as exc:
+            logger.warning(
+                "Retry of task %s (%s) sent without taking merges: %s: %s",
+                message.task_name,
+                message.task_id,
+                type(exc).__name__,
+                exc,
+            )
+
+    def _refusal(  # noqa: PLR0913 (what the refusal says, each named)
+        self,
+        message: TaskiqMessage,
+        key: str,
+        holder: str,
+        acquired: Acquired,
+        *,
+        digest: str | None,
+        send: settings.SendOptions,
+    ) -> DuplicateTaskError:
+        """The error for a call refused (or merged) because ``holder`` holds its lock."""
+        holder_id = holder_task_id(holder)
+        same = keys.same_arguments(holder, digest, send)
+        merged = acquired.merged
+        # A holder that merges calls says whether a broker has accepted it yet.
+        pending = acquired.pending
+        state = ", whose send the broker has not accepted yet" if pending else ""
+        if merged:
+            logger.info(
+                "Task %s (%s) not sent: its arguments replaced those of task %s, "
+                "queued with lock %r",
+                message.task_name,
+                message.task_id,
+                holder_id,
+                key,
+            )
+            self._outcome(LockEventKind.MERGED, message, key, holder_id)
+        else:
+            # A caller that joins the holder asked for this: a join is its own
+            # outcome, no warning, whatever its other arguments (with key
+            # fields, that they differ is the point).
+            marker = joining.get()
+            joined = holder_id is not None and marker == []
+            if marker == []:
+                marker.append(True)
+            handled = _refusals.HANDLED.get()  # a caller that logs the refusal itself
+            if joined:
+                logger.log(
+                    logging.DEBUG if handled else logging.INFO,
+                    "Task %s (%s) joined task %s%s, which holds lock %r%s",
+                    message.task_name,
+                    message.task_id,
+                    holder_id,
+                    state,
+                    key,
+                    " (its own arguments differ)" if same is False else "",
+                )
+                self._outcome(LockEventKind.JOINED, message, key, holder_id)
+            else:
+                logger.log(
+                    logging.DEBUG if handled else logging.WARNING,
+                    "Task %s (%s) not sent: a duplicate of task %s%s, which holds lock %r%s",
+                    message.task_name,
+                    message.task_id,
+                    holder_id,
+                    state,
+                    key,
+                    " with other arguments" if same is False else "",
+                )
+                self._outcome(LockEventKind.DUPLICATE, message, key, holder_id)
+        return DuplicateTaskError(
+            message.task_name,
+            key,
+            holder_id,
+            merged=merged,
+            same_arguments=same,
+        )
+
+    def _outcome(
+        self,
+        kind: LockEventKind,
+        message: TaskiqMessage,
+        key: str | None,
+        holder: str | None,
+        error: BaseException | None = None,
+    ) -> None:
+        """Tell subscribers (and the send span) what became of ``message``'s send."""
+        if self._events.active:  # checked first: every send comes this way
+            self._events.emit(
+                kind, message.task_name, message.task_id, key, holder, error=error, message=message
+            )
+
+    def _serialise_arguments(self, message: TaskiqMessage) -> bytes:
+        """The call's arguments as the broker sends them (its formatter and serializer)."""
+        call = TaskiqMessage(
+            task_id="", task_name="", labels={}, args=message.args, kwargs=message.kwargs
+        )
+        # base64: any serializer's bytes survive a client that decodes replies.
+        return base64.b64encode(self._options.broker.formatter.dumps(call).message)
+
+    def _without_lock(
+        self,
+        message: TaskiqMessage,
+        running: Execution | None,
+        key: str,
+        send: settings.SendOptions,
+    ) -> TaskiqMessage:
+        """Let ``message`` go out without a lock (fail-open, or a retry that found none).
+
+        An exclusive task still records its key, under no owner token: its run
+        takes the run slot of that key as any other run does.
+        """
+        if running is not None:
+            # The retry holds no lock, so the run ends its own as a failure does.
+            running.resent = Resent.WITHOUT_A_LOCK
+        if send.exclusive:
+            self._record(message, key, NO_OWNER, send)
+        else:
+            drop_lock_labels(message.labels)
+        return message
+
+    def _record(
+        self,
+        message: TaskiqMessage,
+        key: str,
+        token: str,
+        send: settings.SendOptions,
+        fence: int | None = None,
+    ) -> bool:
+        """Record on ``message`` the lock it is sent with; whether calls merge into it."""
+        merge = send.merge if merge_key(self._options.key_prefix, key) is not None else None
+        recorded = RecordedLock(
+            key,
+            token,
+            send.ttl,
+            send.policy.name,
+            send.success_ttl,
+            fence,
+            merge,
+            exclusive=send.exclusive,
+        )
+        write_lock_labels(message.labels, recorded, message.task_id)
+        return merge is not None
+
+
+def _lock_of(message: TaskiqMessage) -> Lock | None:
+    """The lock ``message`` was sent with (a retry's, of the attempt it continues)."""
+    recorded = read_lock_labels(message.labels, message.task_id)
+    if recorded is None:
+        return None
+    return Lock(recorded.key, recorded.token, message.task_id, recorded.ttl * 1000)
+
+
+def _recorded_fence(message: TaskiqMessage) -> int | None:
+    recorded = read_lock_labels(message.labels, message.task_id)
+    return None if recorded is None else recorded.fence
