@@ -31,6 +31,7 @@ from taskiq import InMemoryBroker, TaskiqMiddleware
 
 from taskiq_deduplication import RedisDeduplicationMiddleware
 from taskiq_deduplication._heartbeat import Beat
+from taskiq_deduplication._redis_wire import WIRE_ENV, _lean_fits, _misfit
 from taskiq_deduplication.testing import Deduplication
 from tests._brokers import HoldingBroker
 from tests._server import Server
@@ -96,6 +97,48 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.section("fault recovery times")
     for test, what, seconds in _RECOVERIES:
         terminalreporter.write_line(f"{seconds * 1000:9.0f} ms  {what}  [{test}]")
+
+
+# The two ways through redis-py (src/taskiq_deduplication/_redis_wire.py)
+
+#: The modules whose tests run on both ways: the pipeline's mechanics (a hung
+#: server, a lost script cache, a shutdown cut short), its recovery from a
+#: restart or a failover, and the round trips that runs share.
+BOTH_WIRES = frozenset(
+    {"tests/faults/test_pipeline.py", "tests/test_redis_trouble.py", "tests/test_sharing.py"}
+)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Run the tests of ``BOTH_WIRES`` on the lean way and on the public way."""
+    module = metafunc.definition.path.relative_to(metafunc.config.rootpath).as_posix()
+    if module in BOTH_WIRES:
+        metafunc.parametrize("redis_wire", ["lean", "public"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def redis_wire(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str | None:
+    """The way lock calls go through redis-py, for the tests of ``BOTH_WIRES``.
+
+    ``"public"`` forces the fallback on redis-py's public API (and fails the test
+    unless the probe then picks it); ``"lean"`` is the default way, and skips
+    a test where the probe finds that this redis-py does not allow it. Every
+    other test runs on the way the environment gives (``None``).
+    """
+    wire: str | None = getattr(request, "param", None)
+    if wire is None:
+        return None
+    if wire == "public":
+        monkeypatch.setenv(WIRE_ENV, "public")
+    else:
+        monkeypatch.delenv(WIRE_ENV, raising=False)
+    probed = redis.asyncio.Redis().connection_pool.make_connection()  # type: ignore[no-untyped-call]
+    lean = _lean_fits(probed)
+    if wire == "public":
+        assert not lean, f"{WIRE_ENV}=public did not make the probe pick the public way"
+    elif not lean:
+        pytest.skip(f"the lean way does not fit this redis-py: {_misfit(probed)}")
+    return wire
 
 
 ThingT = TypeVar("ThingT")

@@ -7,7 +7,7 @@ import redis.asyncio
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.asyncio.sentinel import SentinelManagedConnection
 
-from taskiq_deduplication._pipeline import _pack, _reads_replies_itself
+from taskiq_deduplication._redis_wire import _pack, _reads_replies_itself
 
 
 @pytest.mark.parametrize("encoding", ["utf-8", "latin-1"])

@@ -14,24 +14,16 @@ bounded memory.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
-import inspect
 import logging
-import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final
 
-from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.connection import (  # type: ignore[attr-defined]
-    AbstractConnection,
-    async_timeout,  # the timeout redis-py reads under, on every Python
-)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from taskiq_deduplication._redis_wire import Command, Transport, open_transport
 from taskiq_deduplication.exceptions import (
     BacklogFullError,
     CallTimeoutError,
@@ -43,7 +35,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from redis.asyncio import Redis
-    from redis.asyncio.connection import ConnectionPool
+    from redis.asyncio.cluster import RedisCluster
     from redis.commands.core import AsyncScript
 
 # Named for what it logs, not for the private module it lives in.
@@ -119,11 +111,7 @@ class Pipeline:
         encoder = client.get_encoder()
         self._encoding: tuple[str, str] = (encoder.encoding, encoder.encoding_errors)
         self._detached_timeout = max(detached_timeout, timeout)
-        self._transport: _Transport = (
-            _ClusterTransport(client) if isinstance(client, RedisCluster) else _Connection(client)
-        )
-        if round_trip is not None:
-            self._transport = _TimedTransport(self._transport, round_trip)
+        self._transport: Transport = open_transport(client, round_trip)
         self._queue: deque[_Call] = deque()
         self._written: list[_Call] = []  # sent ahead; their replies are still to be read
         # The calls someone waits for, not yet answered, in the order they were
@@ -630,7 +618,6 @@ class Pipeline:
             waiting.popleft()
 
 
-Command = tuple[Any, ...]
 ScriptCall = tuple["AsyncScript", "Sequence[str]", "Sequence[str | int]"]
 """A script, its keys and its arguments."""
 
@@ -639,325 +626,6 @@ def _command(call: _Call) -> Command:
     if call.by_body:
         return ("EVAL", call.script.script, len(call.keys), *call.keys, *call.args)
     return ("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
-
-
-class _Transport(Protocol):
-    writes_ahead: bool
-    """Whether ``write`` can put commands on the wire before their replies are read."""
-
-    @property
-    def ready(self) -> bool:
-        """Whether a call can go out now without (re)connecting first."""
-
-    async def connect(self) -> None:
-        """Make the transport ready, or raise the error that prevents it."""
-
-    def write_now(self, commands: list[Command]) -> bool:
-        """Put the commands on the wire without yielding, if that can be done now.
-
-        Returns whether they went; :meth:`execute` reads their replies later.
-        """
-
-    async def write(self, commands: list[Command]) -> None:
-        """Send the commands now; :meth:`execute` reads their replies later."""
-
-    async def execute(self, commands: list[Command]) -> list[Any]:
-        """Send ``commands`` in one round trip and read the replies.
-
-        Returns the replies to the commands sent earlier with ``write``, then
-        those to ``commands``. Error replies come back as exceptions.
-        """
-
-    async def close(self) -> None:
-        """Release what the transport holds."""
-
-
-class _Connection:
-    """One connection of a ``Redis`` client's pool, kept for all batches.
-
-    Batches go out one at a time, so one connection is all the lock commands need:
-    a burst of callers waits for its turn here instead of emptying the pool, and
-    no batch pays for taking a connection from the pool and giving it back.
-
-    The connection goes back to the pool only when nothing is in flight on it
-    and no reply is left unread; otherwise it is disconnected first, since the
-    next user's commands would read those replies. Only the operation that holds
-    it gives it back, once.
-    """
-
-    writes_ahead = True
-
-    def __init__(self, client: Redis) -> None:
-        self._pool = client.connection_pool
-        self._held: AbstractConnection | None = None
-        self._in_use = False  # an operation is under way on the connection
-        self._unread = 0  # replies written for and not read yet
-        self._closed = False  # give the connection back when the operation ends
-
-    @property
-    def ready(self) -> bool:
-        return not self._in_use and self._held is not None and self._held.is_connected
-
-    async def connect(self) -> None:
-        if not self.ready:
-            await self._begin_operation()
-            await self._end_operation()
-
-    def write_now(self, commands: list[Command]) -> bool:
-        if not self.ready:
-            return False
-        connection = self._held
-        assert connection is not None  # noqa: S101 (ready says so)
-        if not _write_at_once(connection, _pack(connection, commands)):
-            return False
-        self._unread += len(commands)
-        return True
-
-    async def write(self, commands: list[Command]) -> None:
-        connection = await self._begin_operation()
-        try:
-            await _send(connection, _pack(connection, commands))
-            self._unread += len(commands)
-        except BaseException:
-            await self._end_operation(failed=True)
-            raise
-        await self._end_operation()
-
-    async def execute(self, commands: list[Command]) -> list[Any]:
-        connection = await self._begin_operation()
-        replies: list[Any] = []
-        try:
-            if commands:
-                await _send(connection, _pack(connection, commands))
-                self._unread += len(commands)
-            if _reads_replies_itself(type(connection)):
-                await self._read_lean(connection, replies)
-            else:  # a connection whose class reads in its own way
-                while self._unread:
-                    replies.append(await _read_reply(connection))
-                    self._unread -= 1
-        except BaseException:
-            await self._end_operation(failed=True)
-            raise
-        await self._end_operation()
-        return replies
-
-    async def _read_lean(self, connection: AbstractConnection, replies: list[Any]) -> None:
-        """Read every unread reply under one timeout, straight from redis-py's parser.
-
-        What ``read_response`` does for each reply, done once for them all:
-        the socket timeout (a batch's replies come together, and a call's own
-        deadline is the pipeline's to keep), the errors it raises, the health
-        check's clock. An error reply comes back as the exception it is.
-        """
-        parser: Any = connection._parser  # noqa: SLF001 (redis-py's, since 4.2)
-        timeout = connection.socket_timeout
-        try:
-            async with async_timeout(timeout) if timeout else contextlib.nullcontext():
-                while self._unread:
-                    replies.append(await parser.read_response())
-                    self._unread -= 1
-        except asyncio.TimeoutError:
-            msg = f"Timeout reading from {connection._host_error()}"  # noqa: SLF001
-            raise RedisTimeoutError(msg) from None
-        except OSError as exc:
-            msg = f"Error while reading from {connection._host_error()} : {exc.args}"  # noqa: SLF001
-            raise RedisConnectionError(msg) from exc
-        if connection.health_check_interval:
-            loop = asyncio.get_running_loop()
-            connection.next_health_check = loop.time() + connection.health_check_interval
-
-    async def _begin_operation(self) -> AbstractConnection:
-        self._in_use = True
-        try:
-            if self._held is None or not self._held.is_connected:
-                await self._give_back(disconnect=True)  # one the client closed under us
-                args = ("EVALSHA",) if _wants_command_name(type(self._pool)) else ()
-                self._held = connection = await self._pool.get_connection(*args)  # type: ignore[no-untyped-call]
-                # A hung server still accepts connections (its kernel does): lock
-                # calls go out only on a connection that has answered, so a hung
-                # server does not collect batch after batch to run when it wakes.
-                await connection.send_command("PING", check_health=False)
-                await connection.read_response()
-        except BaseException:
-            await self._end_operation(failed=True)
-            raise
-        return self._held
-
-    async def _end_operation(self, *, failed: bool = False) -> None:
-        self._in_use = False
-        if failed:
-            # Unread replies would answer the next batch: start over on a new one.
-            await self._give_back(disconnect=True)
-        elif self._closed:
-            await self._give_back()
-
-    async def _give_back(self, *, disconnect: bool = False) -> None:
-        connection, self._held = self._held, None
-        if connection is None:
-            return
-        if disconnect or self._unread:
-            self._unread = 0
-            await connection.disconnect(nowait=True)
-        await self._pool.release(connection)
-
-    async def close(self) -> None:
-        self._closed = True
-        if not self._in_use:  # else the operation under way gives it back
-            await self._give_back()
-
-
-@functools.cache
-def _wants_command_name(pool_class: type[ConnectionPool]) -> bool:
-    """Whether the pool's ``get_connection`` requires a command name.
-
-    redis-py 5.0.1 to 5.2.1 require one (and ignore it); from 5.3 on it is
-    optional and passing it is deprecated (a warning).
-    """
-    parameter = inspect.signature(pool_class.get_connection).parameters.get("command_name")
-    return parameter is not None and parameter.default is inspect.Parameter.empty
-
-
-def _pack(connection: AbstractConnection, commands: list[Command]) -> list[bytes]:
-    """``commands`` in the Redis protocol, in one buffer, as redis-py would put them.
-
-    redis-py's ``pack_commands`` asks of every argument what type it is and
-    chunks large values; the arguments of a lock call are only ever ``bytes``
-    (keys, tokens, merged arguments, encoded when the call was made), ``str``
-    (the command and the script's digest) and ``int`` (TTLs, counts), and one
-    buffer is what the socket takes anyway. ``str`` is encoded as the
-    connection encodes it.
-    """
-    encoder = connection.encoder
-    encoding, errors = encoder.encoding, encoder.encoding_errors
-    parts: list[bytes] = []
-    append = parts.append
-    for command in commands:
-        append(b"*%d\r\n" % len(command))
-        for arg in command:
-            if isinstance(arg, bytes):  # a call's keys and arguments, encoded when made
-                data = arg
-            elif isinstance(arg, str):
-                data = arg.encode(encoding, errors)
-            elif isinstance(arg, int) and not isinstance(arg, bool):
-                data = b"%d" % arg
-            else:  # no lock call has another type
-                msg = f"a lock call's argument must be bytes, str or int, not {type(arg).__name__}"
-                raise TypeError(msg)
-            append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return [b"".join(parts)]
-
-
-def _write_at_once(connection: AbstractConnection, packed: list[bytes]) -> bool:
-    """Hand ``packed`` to the socket now, without yielding, if nothing is queued before it.
-
-    redis-py's ``send_packed_command`` bounds every write with
-    ``asyncio.wait_for``, which before Python 3.12 runs the write in a task of
-    its own: two more turns of the event loop for each batch. A write to a
-    connection whose buffer is empty cannot block (the transport tries the
-    socket at once and keeps whatever the kernel did not take), so it needs no
-    timeout; a connection with bytes still queued (Redis is not reading) goes
-    the bounded way, through redis-py.
-    """
-    writer = getattr(connection, "_writer", None)  # redis-py's StreamWriter, since 4.2
-    transport = getattr(writer, "transport", None)
-    if writer is None or transport is None or transport.is_closing():
-        return False
-    if transport.get_write_buffer_size():
-        return False
-    writer.writelines(packed)
-    return True
-
-
-async def _send(connection: AbstractConnection, packed: list[bytes]) -> None:
-    """Write ``packed`` at once if the connection can take it, else through redis-py."""
-    if not _write_at_once(connection, packed):
-        await connection.send_packed_command(packed, False)  # noqa: FBT003 (redis-py's check_health)
-
-
-def _reads_replies_itself(connection_class: type[AbstractConnection]) -> bool:
-    """Whether the pipeline may read replies of ``connection_class`` from its parser.
-
-    Only a class that reads as redis-py's own connections do: one that
-    overrides ``read_response`` (a Sentinel-managed connection turns a
-    demoted master's ``READONLY`` into a reconnect) is read through it.
-    """
-    return connection_class.read_response is AbstractConnection.read_response
-
-
-async def _read_reply(connection: AbstractConnection) -> Any:  # noqa: ANN401 (any reply)
-    try:
-        return await connection.read_response()
-    except ResponseError as error:
-        return error
-
-
-class _ClusterTransport:
-    """A ``RedisCluster`` client's pipeline, which sends each key to its node."""
-
-    writes_ahead = False
-
-    def __init__(self, client: RedisCluster) -> None:
-        self._client = client
-        # The cluster client connects by itself; after a failure the next round
-        # trip goes from the background sender, not from a caller's task.
-        self.ready = True
-
-    async def connect(self) -> None:
-        pass
-
-    def write_now(self, commands: list[Command]) -> bool:  # noqa: ARG002 (the protocol's)
-        return False
-
-    async def write(self, commands: list[Command]) -> None:
-        raise NotImplementedError
-
-    async def execute(self, commands: list[Command]) -> list[Any]:
-        self.ready = False
-        if commands and commands[0][:2] == ("SCRIPT", "LOAD"):
-            replies = [await self._client.script_load(command[2]) for command in commands]
-        else:
-            pipe = self._client.pipeline(transaction=False)
-            for command in commands:
-                pipe.execute_command(*command)
-            replies = list(await pipe.execute(raise_on_error=False))
-        self.ready = True
-        return replies
-
-    async def close(self) -> None:
-        pass
-
-
-class _TimedTransport:
-    """A transport that tells how long each round trip took, answered or failed."""
-
-    def __init__(self, transport: _Transport, round_trip: Callable[[float], None]) -> None:
-        self._transport = transport
-        self._round_trip = round_trip
-        self.writes_ahead = transport.writes_ahead
-
-    @property
-    def ready(self) -> bool:
-        return self._transport.ready
-
-    async def connect(self) -> None:
-        await self._transport.connect()
-
-    def write_now(self, commands: list[Command]) -> bool:
-        return self._transport.write_now(commands)  # no round trip either
-
-    async def write(self, commands: list[Command]) -> None:
-        await self._transport.write(commands)  # no round trip: its replies come with execute
-
-    async def execute(self, commands: list[Command]) -> list[Any]:
-        start = time.perf_counter()
-        try:
-            return await self._transport.execute(commands)
-        finally:
-            self._round_trip(time.perf_counter() - start)
-
-    async def close(self) -> None:
-        await self._transport.close()
 
 
 def text(reply: bytes | str) -> str:

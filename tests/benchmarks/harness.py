@@ -29,7 +29,7 @@ import redis
 from redis.asyncio.connection import AbstractConnection
 from taskiq import AsyncBroker, BrokerMessage
 
-from taskiq_deduplication import _pipeline
+from taskiq_deduplication import _redis_wire
 
 Kick = Callable[[int], Awaitable[object]]
 """Send call number ``n`` (distinct numbers make distinct fingerprints)."""
@@ -137,7 +137,7 @@ class Traffic:
     """Counts what redis-py's asyncio connections send, while installed.
 
     - a *write* is one ``send_packed_command`` call, or one write the lock
-      pipeline puts on the socket itself (``_pipeline._write_at_once``): one or
+      pipeline puts on the socket itself (``_redis_wire._write_at_once``): one or
       many commands put on the socket at once;
     - a *round trip* is a wait for the server: the first ``read_response`` on a
       connection after it wrote (or the lock pipeline's own read of a batch's
@@ -146,7 +146,7 @@ class Traffic:
       ahead without waiting (its reply read with the next batch) is a write but
       adds no round trip;
     - a *command* is one ``pack_command`` call, or one command the lock pipeline
-      packs itself (``_pipeline._pack``): one EVALSHA, LPUSH, ... as the
+      packs itself (``_redis_wire._pack``): one EVALSHA, LPUSH, ... as the
       client sends it; what a Lua script runs inside Redis is not counted.
     """
 
@@ -164,8 +164,8 @@ class Traffic:
             return
         send, pack = AbstractConnection.send_packed_command, AbstractConnection.pack_command
         read = AbstractConnection.read_response
-        write_at_once, pipeline_pack = _pipeline._write_at_once, _pipeline._pack
-        read_lean = _pipeline._Connection._read_lean
+        write_at_once, pipeline_pack = _redis_wire._write_at_once, _redis_wire._pack
+        read_lean = _redis_wire._Connection._read_lean
         self._saved = (send, pack, read, write_at_once, pipeline_pack, read_lean)
         traffic = self
 
@@ -190,7 +190,7 @@ class Traffic:
             return await read(connection, *args, **kwargs)
 
         async def pipeline_read(
-            self: _pipeline._Connection, connection: AbstractConnection, replies: list[Any]
+            self: _redis_wire._Connection, connection: AbstractConnection, replies: list[Any]
         ) -> None:
             if id(connection) in traffic._written:
                 traffic._written.discard(id(connection))
@@ -208,9 +208,9 @@ class Traffic:
         AbstractConnection.send_packed_command = send_packed_command  # type: ignore[method-assign,assignment]
         AbstractConnection.pack_command = pack_command  # type: ignore[method-assign,assignment]
         AbstractConnection.read_response = read_response  # type: ignore[method-assign,assignment]
-        _pipeline._write_at_once = pipeline_write
-        _pipeline._pack = pack_lock_calls
-        _pipeline._Connection._read_lean = pipeline_read  # type: ignore[method-assign]
+        _redis_wire._write_at_once = pipeline_write
+        _redis_wire._pack = pack_lock_calls
+        _redis_wire._Connection._read_lean = pipeline_read  # type: ignore[method-assign]
 
     def uninstall(self) -> None:
         """Put redis-py's own methods back."""
@@ -220,9 +220,9 @@ class Traffic:
         AbstractConnection.send_packed_command = send  # type: ignore[method-assign]
         AbstractConnection.pack_command = pack  # type: ignore[method-assign]
         AbstractConnection.read_response = read  # type: ignore[method-assign]
-        _pipeline._write_at_once = write_at_once
-        _pipeline._pack = pipeline_pack
-        _pipeline._Connection._read_lean = read_lean  # type: ignore[method-assign]
+        _redis_wire._write_at_once = write_at_once
+        _redis_wire._pack = pipeline_pack
+        _redis_wire._Connection._read_lean = read_lean  # type: ignore[method-assign]
         self._saved = None
 
     def snapshot(self) -> tuple[int, int, int]:

@@ -40,6 +40,7 @@ _OWNERS = (
     ("taskiq_deduplication/_formats.py", "dedup: labels"),
     ("taskiq_deduplication/_store.py", "dedup: lock pipeline"),
     ("taskiq_deduplication/_pipeline.py", "dedup: lock pipeline"),
+    ("taskiq_deduplication/_redis_wire.py", "dedup: lock pipeline"),
     ("taskiq_deduplication/_heartbeat.py", "dedup: heartbeat loop"),
     ("taskiq_deduplication/middleware.py", "dedup: middleware hooks"),
     ("taskiq_deduplication/_send.py", "dedup: middleware hooks"),
