@@ -15,6 +15,7 @@ server, found to be a cluster node if it answers ``CLUSTER SLOTS``, and
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import unquote, urlsplit
@@ -25,7 +26,7 @@ from redis.crc import key_slot
 from redis.exceptions import NoPermissionError, ResponseError
 
 from taskiq_deduplication._client import DEFAULT_TIMEOUTS, client_from_url
-from taskiq_deduplication._formats import belonging_keys, holder_task_id, lock_name
+from taskiq_deduplication._formats import belonging_keys, lock_name, read_lock_value
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Sequence
@@ -66,16 +67,32 @@ class HeldLock:
     """Milliseconds until it expires; ``None`` if it has no TTL or the user may not ask."""
     value: str
     """The raw value, ``"<owner token> <task_id>"`` for a lock of this library."""
+    task_name: str | None = None
+    """The holder's task name, where the lock records it."""
+    policy: str | None = None
+    """The lock's policy, where the lock records it (not a lock of an older version)."""
+    age_ms: int | None = None
+    """Milliseconds since the lock was taken (server time), where it records that."""
+    sent: bool | None = None
+    """Whether a broker accepted the holder's send; ``None``: the lock does not say."""
 
     def as_dict(self) -> dict[str, Any]:
-        """The lock as the JSON output shows it."""
-        return {
+        """The lock as the JSON output shows it (a record's fields only where it has one)."""
+        shown: dict[str, Any] = {
             "key": self.key,
             "name": self.name,
             "holder_task_id": self.holder_task_id,
             "owner_token": self.owner_token,
             "ttl_ms": self.ttl_ms,
         }
+        if self.policy is not None:
+            shown |= {
+                "task_name": self.task_name,
+                "policy": self.policy,
+                "age_ms": self.age_ms,
+                "sent": self.sent,
+            }
+        return shown
 
 
 @dataclass
@@ -218,7 +235,12 @@ async def read_locks(
         for key in batch:
             pipe.get(_raw(key))
             pipe.pttl(_raw(key))
+        pipe.time()  # the clock the locks' records were written by, for their age
         replies: list[Any] = await pipe.execute(raise_on_error=False)
+        now = replies.pop()
+        now_ms = (
+            now[0] * 1000 + now[1] // 1000 if isinstance(now, tuple) else int(time.time() * 1000)
+        )
         for index, key in enumerate(batch):
             value, ttl = replies[2 * index], replies[2 * index + 1]
             if isinstance(value, NoPermissionError) or isinstance(ttl, NoPermissionError):
@@ -228,19 +250,24 @@ async def read_locks(
                 ttl = None
             if value is None or isinstance(value, BaseException):
                 continue  # gone since the scan, or not a string: no lock of ours
-            found.append(_held(key, _text(value), ttl, prefix))
+            found.append(_held(key, _text(value), ttl, prefix, now_ms))
     return found
 
 
-def _held(key: str, value: str, ttl: int | None, prefix: str) -> HeldLock:
-    holder = holder_task_id(value)
+def _held(key: str, value: str, ttl: int | None, prefix: str, now_ms: int) -> HeldLock:
+    record = read_lock_value(value)
+    taken = record.taken_ms if record is not None else None
     return HeldLock(
         key=key,
         name=lock_name(prefix, key),
-        holder_task_id=holder,
-        owner_token=value.partition(" ")[0] if holder is not None else None,
+        holder_task_id=record.holder_task_id if record is not None else None,
+        owner_token=record.owner_token if record is not None else None,
         ttl_ms=ttl if ttl is not None and ttl >= 0 else None,
         value=value,
+        task_name=record.task_name if record is not None else None,
+        policy=record.policy if record is not None else None,
+        age_ms=max(now_ms - taken, 0) if taken is not None else None,
+        sent=record.sent if record is not None else None,
     )
 
 

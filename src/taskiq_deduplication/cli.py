@@ -525,23 +525,59 @@ def _confirmed(locks: Sequence[HeldLock]) -> bool:
 def _print_table(locks: Sequence[HeldLock], file: Any = None) -> None:  # noqa: ANN401 (a text stream)
     if not locks:
         return
-    rows = [("KEY", "HOLDER TASK ID", "TIME LEFT")] + [
-        (lock.key, lock.holder_task_id or "-", _time_left(lock)) for lock in locks
+    # What the locks record, in columns of their own when any lock has a record
+    # (locks of an older version alone print as they always did).
+    recorded = any(lock.policy is not None for lock in locks)
+    head = ("TASK", "POLICY", "AGE", "SENT") if recorded else ()
+    rows = [("KEY", "HOLDER TASK ID", *head, "TIME LEFT")] + [
+        (
+            lock.key,
+            lock.holder_task_id or "-",
+            *(_record(lock) if recorded else ()),
+            _time_left(lock),
+        )
+        for lock in locks
     ]
-    widths = [max(len(row[column]) for row in rows) for column in range(2)]
-    for key, holder, left in rows:
-        print(f"{key:<{widths[0]}}  {holder:<{widths[1]}}  {left}", file=file)
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]) - 1)]
+    for row in rows:
+        cells = [f"{cell:<{width}}" for cell, width in zip(row, widths, strict=False)]
+        print("  ".join([*cells, row[-1]]), file=file)
+
+
+def _record(lock: HeldLock) -> tuple[str, str, str, str]:
+    """A lock's record as table cells: task name, policy, age, whether sent."""
+    if lock.policy is None:
+        return ("-", "-", "-", "-")
+    sent = "?" if lock.sent is None else "yes" if lock.sent else "not yet"
+    return (lock.task_name or "-", lock.policy, _age(lock), sent)
 
 
 def _print_lock(lock: HeldLock) -> None:
-    for label, value in (
+    lines = [
         ("key", lock.key),
         ("name", lock.name or "-"),
         ("holder task id", lock.holder_task_id or "- (the value is not a lock's)"),
         ("owner token", lock.owner_token or "-"),
         ("time left", _time_left(lock)),
-    ):
+    ]
+    if lock.policy is not None:  # a lock that records what it is for
+        lines[3:3] = [
+            ("task name", lock.task_name or "- (not recorded: record_task_name)"),
+            ("policy", lock.policy),
+            ("age", _age(lock)),
+            (
+                "sent",
+                "yes: a broker accepted it"
+                if lock.sent
+                else "not yet: the broker has not accepted the holder's send",
+            ),
+        ]
+    for label, value in lines:
         print(f"{label:<15} {value}")
+
+
+def _age(lock: HeldLock) -> str:
+    return "?" if lock.age_ms is None else f"{lock.age_ms} ms"
 
 
 def _time_left(lock: HeldLock) -> str:
