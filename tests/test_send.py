@@ -50,7 +50,10 @@ async def test_lock_value_names_the_holder_and_an_owner_token(
     (key,) = await lock_keys(redis_client, prefix)
     token, task_id = (await lock_value(redis_client, key)).split(" ")
     assert task_id == first.task_id
-    assert len(token) == 11
+    owner, taken, policy = token.split("/")  # the owner, and the lock's record
+    assert len(owner) == 11
+    assert taken.isdigit()
+    assert policy == "f"
     assert key == f"{prefix}:" + key.rsplit(":", 1)[1]
     assert len(key.rsplit(":", 1)[1]) == 43  # the full SHA-256 digest, base64url
 
