@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from taskiq import TaskiqMessage
 
-from taskiq_deduplication import DuplicateTaskError, kiq_or_join
+from taskiq_deduplication import DuplicateTaskError, LockEvent, LockEventKind, kiq_or_join
 from taskiq_deduplication._formats import (
     LOCK_OWNER_LABEL,
     new_run_token,
@@ -160,6 +160,8 @@ async def test_a_send_that_dies_before_the_broker_accepts_it_is_refused_as_unsen
     assert 0 < await redis_client.pttl(key) <= 10_000  # the grace TTL bounds it
 
     caplog.set_level(logging.DEBUG, logger="taskiq_deduplication")
+    events: list[LockEvent] = []
+    middleware.subscribe(events.append)
     with pytest.raises(DuplicateTaskError) as caught:
         await job.kiq(n=1)
     refused = caught.value
@@ -175,6 +177,10 @@ async def test_a_send_that_dies_before_the_broker_accepts_it_is_refused_as_unsen
     assert said.levelno == logging.INFO
     assert f"joined task dies-mid-send, {UNSENT_HOLDER}" in said.getMessage()
     assert broker.queued == []
+    assert [(e.kind, e.holder_task_id, e.holder_sent) for e in events] == [
+        (LockEventKind.DUPLICATE, "dies-mid-send", False),
+        (LockEventKind.JOINED, "dies-mid-send", False),
+    ]
 
     # The broker accepts it after all: the refusal says nothing of the kind now.
     await middleware.post_send(message)

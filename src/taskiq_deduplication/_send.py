@@ -359,7 +359,7 @@ class Sends:
                     key,
                     " (its own arguments differ)" if same is False else "",
                 )
-                self._outcome(LockEventKind.JOINED, message, key, holder_id)
+                self._outcome(LockEventKind.JOINED, message, key, holder_id, holder_sent=sent)
             else:
                 logger.log(
                     logging.DEBUG if handled else logging.WARNING,
@@ -371,7 +371,7 @@ class Sends:
                     key,
                     " with other arguments" if same is False else "",
                 )
-                self._outcome(LockEventKind.DUPLICATE, message, key, holder_id)
+                self._outcome(LockEventKind.DUPLICATE, message, key, holder_id, holder_sent=sent)
         return DuplicateTaskError(
             message.task_name,
             key,
@@ -381,18 +381,27 @@ class Sends:
             holder_sent=sent,
         )
 
-    def _outcome(
+    def _outcome(  # noqa: PLR0913 (the fields of an event, each named)
         self,
         kind: LockEventKind,
         message: TaskiqMessage,
         key: str | None,
         holder: str | None,
         error: BaseException | None = None,
+        *,
+        holder_sent: bool | None = None,
     ) -> None:
         """Tell subscribers (and the send span) what became of ``message``'s send."""
         if self._events.active:  # checked first: every send comes this way
             self._events.emit(
-                kind, message.task_name, message.task_id, key, holder, error=error, message=message
+                kind,
+                message.task_name,
+                message.task_id,
+                key,
+                holder,
+                error=error,
+                message=message,
+                holder_sent=holder_sent,
             )
 
     def _serialise_arguments(self, message: TaskiqMessage) -> bytes:
