@@ -235,9 +235,14 @@ async def read_locks(
         for key in batch:
             pipe.get(_raw(key))
             pipe.pttl(_raw(key))
-        pipe.time()  # the clock the locks' records were written by, for their age
+        # The clock the locks' records were written by, for their age (on a
+        # cluster, whose pipelines route by key, and for a user without TIME:
+        # this machine's).
+        cluster = isinstance(client, RedisCluster)
+        if not cluster:
+            pipe.time()
         replies: list[Any] = await pipe.execute(raise_on_error=False)
-        now = replies.pop()
+        now = None if cluster else replies.pop()
         now_ms = (
             now[0] * 1000 + now[1] // 1000 if isinstance(now, tuple) else int(time.time() * 1000)
         )
