@@ -267,6 +267,8 @@ def holder_task_id(value: str) -> str | None:
 
     A run slot's value may carry a mark after the task_id (`WAITED_MARK`), and
     a lock whose send a broker has not accepted yet another (`UNSENT_MARK`).
+    (A task_id of its own that ends with ``"!"`` reads as unsent, without it;
+    taskiq's own task_ids are hexadecimal.)
     """
     token, separator, rest = value.partition(" ")
     task_id = rest.partition(" ")[0]

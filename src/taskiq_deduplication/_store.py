@@ -57,7 +57,8 @@ class Lock:
     task_id: str
     ttl_ms: int
     value: str = field(init=False, repr=False, compare=False)
-    """The lock's value in Redis: ``"<owner token> <task_id>"``."""
+    """The lock's value: ``"<owner token> <task_id>"``, as the message's owner
+    label carries it (in Redis, ``"!"`` follows it until the send is accepted)."""
 
     def __post_init__(self) -> None:
         """Compute the value once: a heartbeat tick sends it for every running task."""
