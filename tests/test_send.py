@@ -389,6 +389,11 @@ async def test_duplicate_error_survives_pickling() -> None:
     assert (copy.task_name, copy.key, copy.holder_task_id) == ("tasks:job", "prefix:key", "abc")
     assert str(copy) == str(err)
     assert "an unknown task" in str(DuplicateTaskError("t", "k", None))
+    unsent = DuplicateTaskError("tasks:job", "prefix:key", "abc", holder_sent=False)
+    copy = pickle.loads(pickle.dumps(unsent))  # noqa: S301 (our own object)
+    assert copy.holder_sent is False
+    assert str(copy) == str(unsent)
+    assert str(unsent).endswith("whose send the broker has not accepted yet")
 
 
 async def test_foreign_lock_value_gives_no_holder(
