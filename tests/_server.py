@@ -11,13 +11,16 @@ would. Tests that inject faults pause it (SIGSTOP), resume it and restart it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,11 +40,57 @@ def server_binary() -> str:
     return str(get_binary_path())
 
 
+#: The environment variable that keeps the tests' servers to a range of ports.
+PORTS_ENV = "DEDUP_TEST_PORTS"
+_handed_out = -1
+
+
 def free_port() -> int:
-    """A loopback TCP port that nothing listens on right now."""
+    """A loopback TCP port that nothing listens on right now.
+
+    Any free port, or one of the range that ``DEDUP_TEST_PORTS`` names
+    (``6470-6499``: on a machine shared with other Redis servers); under
+    pytest-xdist each worker takes a share of the range of its own, so that two
+    workers never pick the same port.
+    """
+    global _handed_out  # noqa: PLW0603 (round robin over the range, per process)
+    ports = _port_range()
+    for step in range(1, len(ports) + 1):
+        # The port after the last one handed out: a server told its port a moment
+        # ago may not listen on it yet.
+        port = ports[(_handed_out + step) % len(ports)]
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            # As the server binds: a port whose last connections linger in
+            # TIME_WAIT is free for it.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out = ports.index(port)
+        return port
+    if os.environ.get(PORTS_ENV):
+        msg = f"no free port left in {PORTS_ENV}={os.environ[PORTS_ENV]} for this process"
+        raise RuntimeError(msg)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _port_range() -> range:
+    """This process's share of ``DEDUP_TEST_PORTS`` (empty when it is not set)."""
+    spec = os.environ.get(PORTS_ENV, "")
+    if not spec:
+        return range(0)
+    first, _, last = spec.partition("-")
+    ports = range(int(first), int(last or first) + 1)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or workers <= 1:
+        return ports
+    share = len(ports) // workers
+    index = int(worker[2:])
+    return ports[index * share : (index + 1) * share]
 
 
 @dataclass
@@ -137,3 +186,41 @@ class Server:
         """Stop the server and remove its directory."""
         self.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+@dataclass
+class Flushes:
+    """How many rounds of ``SCRIPT FLUSH`` a ``flushing_scripts`` block saw."""
+
+    count: int = 0
+
+
+@contextlib.contextmanager
+def flushing_scripts(ports: list[int], pause: float) -> Iterator[Flushes]:
+    """Flush the scripts of the servers at ``ports`` again and again until the block ends.
+
+    From a thread of its own, whatever the test's event loop does, so that some
+    flushes land while the middleware recovers from the last one.
+    """
+    stop = threading.Event()
+    flushes = Flushes()
+
+    def flush() -> None:
+        clients = [redis.Redis(port=port, socket_timeout=2) for port in ports]
+        try:
+            while not stop.is_set():
+                for client in clients:
+                    client.script_flush()
+                flushes.count += 1
+                time.sleep(pause)
+        finally:
+            for client in clients:
+                client.close()
+
+    flusher = threading.Thread(target=flush)
+    flusher.start()
+    try:
+        yield flushes
+    finally:
+        stop.set()
+        flusher.join()

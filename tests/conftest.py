@@ -4,7 +4,14 @@
 starts its own throwaway server (see ``tests/_server.py``): with pytest-xdist
 (``pytest -n auto``), each worker process is a session of its own, with a server
 of its own. Every test gets a key prefix of its own and its keys are deleted
-afterwards.
+afterwards: the suite's tests are built on the shipped pytest plugin's helper
+(``taskiq_deduplication.testing.Deduplication``), as an application's would be.
+
+A core behaviour test decorated with ``@all_topologies()`` runs three times: on
+that single server, on a 3-primary Redis Cluster and on a Sentinel-managed
+primary (as ``limits``' ``all_storage`` runs its storage tests); the Cluster and
+the Sentinel set are started once per session, when a test first needs them,
+and a test skips, saying why, where they cannot start.
 """
 
 from __future__ import annotations
@@ -13,15 +20,21 @@ import asyncio
 import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, cast, overload
 
 import pytest
 import redis.asyncio
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.sentinel import Sentinel
 from taskiq import InMemoryBroker, TaskiqMiddleware
 
 from taskiq_deduplication import RedisDeduplicationMiddleware
 from taskiq_deduplication._heartbeat import Beat
+from taskiq_deduplication.testing import Deduplication
+from tests._brokers import HoldingBroker
 from tests._server import Server
+from tests.topologies._servers import Cluster, Sentinels
 
 # Running the suite in parallel (pytest-xdist, `pytest -n auto`)
 
@@ -85,6 +98,20 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(f"{seconds * 1000:9.0f} ms  {what}  [{test}]")
 
 
+ThingT = TypeVar("ThingT")
+
+
+def owned(thing: ThingT, end: Callable[[ThingT], object]) -> Iterator[ThingT]:
+    """Yield ``thing`` to a fixture's test, and ``end`` it afterwards whatever happened.
+
+    A fixture that starts something writes ``yield from owned(started, stop)``.
+    """
+    try:
+        yield thing
+    finally:
+        end(thing)
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     """The URL of the Redis the tests use: ``REDIS_URL``, or a throwaway server."""
@@ -102,45 +129,194 @@ def redis_url() -> Iterator[str]:
 @pytest.fixture
 def server() -> Iterator[Server]:
     """A throwaway server of this test's own, to stop, pause or restart."""
-    own = Server().start()
+    yield from owned(Server().start(), Server.cleanup)
+
+
+@pytest.fixture(scope="session")
+def dedup_redis_url(redis_url: str) -> str:
+    """The plugin's name for the session's Redis: the suite's own server."""
+    return redis_url
+
+
+@pytest.fixture
+def dedup(dedup_redis_url: str) -> Iterator[Deduplication]:
+    """The plugin's helper, under a ``test:`` prefix of this test's own.
+
+    The plugin's own ``dedup`` fixture would do, but for its prefix: tests read
+    the prefix (``test:...``) in what the middleware reports.
+    """
+    helper = Deduplication(dedup_redis_url, f"test:{uuid.uuid4().hex[:12]}")
+    # The plugin fixture's own teardown: every key of the prefix.
+    yield from owned(helper, Deduplication._finish)
+
+
+# Topologies: one test over a single server, a Cluster and a Sentinel set
+
+
+TopologyT = TypeVar("TopologyT")
+
+
+def start_or_skip(start: Callable[[], TopologyT], what: str) -> TopologyT:
+    """Start a topology of servers, or skip the test where this machine cannot."""
     try:
-        yield own
-    finally:
-        own.cleanup()
+        return start()
+    except (OSError, RuntimeError) as exc:
+        pytest.skip(f"no {what} could be started here: {exc}")
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    """A 3-primary Redis Cluster, started once for the session when a test needs it."""
+    yield from owned(start_or_skip(Cluster(primaries=3).start, "Redis Cluster"), Cluster.stop)
+
+
+@pytest.fixture(scope="session")
+def sentinels() -> Iterator[Sentinels]:
+    """A primary, a replica and three sentinels, started once for the session."""
+    yield from owned(start_or_skip(Sentinels().start, "Sentinel set"), Sentinels.stop)
+
+
+def cluster_client(nodes: Cluster) -> RedisCluster:
+    """A cluster client found from one node's URL, as the docs say to build it."""
+    return RedisCluster.from_url(nodes.url, decode_responses=True)
+
+
+def primary_client(watched: Sentinels) -> redis.asyncio.Redis:
+    """The client the docs recommend: the sentinels' current primary, short timeouts."""
+    sentinel = Sentinel(watched.addresses, socket_timeout=0.5)  # type: ignore[no-untyped-call]
+    client: redis.asyncio.Redis = sentinel.master_for(
+        watched.service, socket_timeout=0.5, socket_connect_timeout=0.5, decode_responses=True
+    )
+    return client
+
+
+#: The topologies a test decorated with ``all_topologies()`` runs on.
+TOPOLOGIES = ("single", "cluster", "sentinel")
+#: Set to a comma-separated subset of ``TOPOLOGIES`` to skip the others (``single``).
+TOPOLOGIES_ENV = "DEDUP_TEST_TOPOLOGIES"
+
+
+def all_topologies(*, hash_tag: bool = False) -> pytest.MarkDecorator:
+    """Run the test on each topology (``limits``' ``all_storage``, for this middleware).
+
+    Args:
+        hash_tag: On the Cluster, put the test's prefix in a hash tag
+            (``{test:...}``): a task that merges its calls, takes a fence or
+            keeps a run slot needs its lock and the keys beside it in one slot.
+            Without it the test's locks spread over every primary.
+    """
+    # Under pytest-xdist, one worker runs every test of a topology: one Cluster
+    # and one Sentinel set for the whole run, not one per worker.
+    return pytest.mark.parametrize(
+        "topology",
+        [
+            pytest.param("single", id="single"),
+            pytest.param(
+                "cluster{}" if hash_tag else "cluster",
+                id="cluster",
+                marks=pytest.mark.xdist_group("cluster"),
+            ),
+            pytest.param("sentinel", id="sentinel", marks=pytest.mark.xdist_group("sentinel")),
+        ],
+        indirect=True,
+    )
+
+
+@dataclass
+class Topology:
+    """Where a test's locks live: the key prefix, and the client the middlewares share."""
+
+    name: str
+    prefix: str
+    client: redis.asyncio.Redis | None = None
+    """``None`` on the single server: each middleware builds its own from the URL."""
 
 
 @pytest.fixture
-def prefix() -> str:
-    """A key prefix no other test uses."""
-    return f"test:{uuid.uuid4().hex[:12]}"
+def topology(request: pytest.FixtureRequest, dedup: Deduplication) -> Topology:
+    """The single server, unless the test is decorated with ``all_topologies()``."""
+    kind = str(getattr(request, "param", "single"))
+    if kind == "single":
+        return Topology("single", dedup.key_prefix)
+    name = kind.removesuffix("{}")
+    chosen = os.environ.get(TOPOLOGIES_ENV)
+    if chosen is not None and name not in chosen.split(","):
+        pytest.skip(f"{TOPOLOGIES_ENV}={chosen}: not on the {name} topology")
+    prefix = f"{{{dedup.key_prefix}}}" if kind.endswith("{}") else dedup.key_prefix
+    # A cluster client takes the commands the tests use with the same arguments.
+    client: redis.asyncio.Redis = request.getfixturevalue(f"{name}_redis")
+    return Topology(name, prefix, client)
 
 
 @pytest.fixture
-async def redis_client(redis_url: str, prefix: str) -> AsyncIterator[redis.asyncio.Redis]:
-    """A plain client to look at the keys; deletes this test's keys at the end."""
-    client = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
+async def cluster_redis(cluster: Cluster, dedup: Deduplication) -> AsyncIterator[RedisCluster]:
+    """A cluster client for this test's event loop; deletes the test's keys at the end."""
+    async for client in closed_after(cluster_client(cluster), dedup.key_prefix):
+        yield client
+
+
+@pytest.fixture
+async def sentinel_redis(
+    sentinels: Sentinels, dedup: Deduplication
+) -> AsyncIterator[redis.asyncio.Redis]:
+    """A client of the sentinels' primary for this test's event loop; cleans up as above."""
+    async for client in closed_after(primary_client(sentinels), dedup.key_prefix):
+        yield client
+
+
+ClientT = TypeVar("ClientT", redis.asyncio.Redis, RedisCluster)
+
+
+async def closed_after(client: ClientT, prefix: str) -> AsyncIterator[ClientT]:
+    """Yield ``client``; then delete the keys under ``prefix`` through it and close it."""
     try:
         yield client
     finally:
-        # The locks, and the keys beside them (merged arguments, the fence counter).
-        keys = [key async for key in client.scan_iter(match=f"{prefix}[:#]*")]
+        await delete_keys(client, prefix)
+        await client.aclose()
+
+
+async def delete_keys(client: redis.asyncio.Redis | RedisCluster, prefix: str) -> None:
+    """Delete the locks under ``prefix`` (bare or hash-tagged) and the keys beside them.
+
+    Beside them: merged arguments, run slots, the fence counter.
+    """
+    for under in (prefix, f"{{{prefix}}}"):
+        keys = [key async for key in client.scan_iter(match=f"{under}[:#]*")]
         if keys:
             await client.delete(*keys)
-        await client.aclose()
+
+
+@pytest.fixture
+def prefix(topology: Topology) -> str:
+    """A key prefix no other test uses."""
+    return topology.prefix
+
+
+@pytest.fixture
+async def redis_client(redis_url: str, topology: Topology) -> AsyncIterator[redis.asyncio.Redis]:
+    """A plain client to look at the keys (the topology's, off the single server)."""
+    if topology.client is not None:
+        yield topology.client
+        return
+    async for client in closed_after(
+        redis.asyncio.Redis.from_url(redis_url, decode_responses=True), topology.prefix
+    ):
+        yield client
 
 
 MiddlewareFactory = Callable[..., RedisDeduplicationMiddleware]
 
 
 @pytest.fixture
-def make_middleware(redis_url: str, prefix: str) -> MiddlewareFactory:
-    """Build a middleware on the test Redis with this test's prefix."""
+def make_middleware(dedup: Deduplication, topology: Topology) -> MiddlewareFactory:
+    """Build a middleware on the test Redis (its topology's) with this test's prefix."""
 
     def make(**options: Any) -> RedisDeduplicationMiddleware:
-        options.setdefault("key_prefix", prefix)
-        if "client" not in options:
-            options.setdefault("redis_url", redis_url)
-        return RedisDeduplicationMiddleware(**options)
+        options.setdefault("key_prefix", topology.prefix)
+        if topology.client is not None and "redis_url" not in options:
+            options.setdefault("client", topology.client)
+        return dedup.middleware(**options)
 
     return make
 
@@ -201,6 +377,15 @@ async def make_broker(
     for broker in brokers:
         await broker.wait_all()
         await broker.shutdown()
+
+
+async def queued_job(make_broker: BrokerFactory) -> tuple[HoldingBroker, Any]:
+    """A started ``HoldingBroker`` (a queue the test delivers) and a task ``job()``, a no-op."""
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    async def job() -> None: ...
+
+    return broker, broker.register_task(job)
 
 
 async def lock_keys(client: redis.asyncio.Redis, prefix: str) -> list[str]:

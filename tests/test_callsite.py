@@ -40,9 +40,11 @@ from tests._server import Server
 from tests.conftest import (
     BrokerFactory,
     MiddlewareFactory,
+    all_topologies,
     dedup_middleware,
     lock_keys,
     lock_value,
+    queued_job,
     running_beats,
     wait_until,
 )
@@ -323,6 +325,7 @@ async def test_merges_under_retries_run_the_latest_arguments_and_free_the_lock(
     assert [key async for key in redis_client.scan_iter(match=f"{prefix}[:#]*")] == []
 
 
+@all_topologies(hash_tag=True)
 async def test_a_requeued_merge_runs_with_the_arguments_it_ran_with(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
@@ -440,6 +443,7 @@ async def test_a_debounced_retry_runs_at_once(
 # TaskLock and fences
 
 
+@all_topologies(hash_tag=True)
 async def test_fences_increase_across_sends_expiry_and_takeover(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
@@ -616,10 +620,7 @@ async def test_bad_merge_and_debounce_labels_are_refused_at_kiq(
     labels: dict[str, Any],
     named: str,
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
-    @broker.task
-    async def job() -> None: ...
+    broker, job = await queued_job(make_broker)
 
     for given in (labels, {k: str(v) for k, v in labels.items()}):  # as the scheduler sends
         with pytest.raises(ValueError, match=named):

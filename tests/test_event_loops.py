@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import gc
 import warnings
+import weakref
 from typing import Any
 
 import pytest
@@ -198,3 +199,21 @@ async def test_two_brokers_with_middlewares_of_their_own_share_locks_and_stop_ap
 
 async def _has_locks(client: redis.asyncio.Redis, prefix: str) -> Any:
     return bool(await lock_keys(client, prefix))
+
+
+def test_a_middleware_and_its_broker_that_nobody_uses_any_more_are_freed(
+    redis_url: str,
+) -> None:
+    # The package finds a middleware's runs (TaskLock) and loop states (the
+    # scheduler) through registries of its own: they must not keep either alive.
+    middleware = RedisDeduplicationMiddleware(redis_url, metrics=False)
+    broker = InMemoryBroker().with_middlewares(middleware)
+
+    @broker.task
+    async def job() -> None: ...
+
+    asyncio.run(job.kiq())
+    gone = (weakref.ref(middleware), weakref.ref(broker))
+    del middleware, broker, job
+    gc.collect()
+    assert [ref() for ref in gone] == [None, None]

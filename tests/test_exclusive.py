@@ -23,9 +23,11 @@ from tests._brokers import HoldingBroker, retry_middleware
 from tests.conftest import (
     BrokerFactory,
     MiddlewareFactory,
+    all_topologies,
     dedup_middleware,
     lock_keys,
     lock_value,
+    queued_job,
     running_beats,
 )
 
@@ -42,6 +44,12 @@ class Runs:
 
     def end(self, index: int) -> None:
         self.spans[index][1] = time.monotonic()
+
+    async def until(self, release: asyncio.Event) -> None:
+        """A body that goes on until ``release`` is set."""
+        index = self.begin()
+        await release.wait()
+        self.end(index)
 
     def overlaps(self) -> int:
         """How many pairs of bodies ran at the same time."""
@@ -62,6 +70,22 @@ async def deliver_copy(broker: HoldingBroker, message: Any) -> None:
     await broker.receiver.callback(message=message.message)
 
 
+async def released(release: asyncio.Event, *deliveries: asyncio.Task[None]) -> None:
+    """Let the held bodies end (``release``), and wait for the deliveries to be over."""
+    release.set()
+    await asyncio.wait_for(asyncio.gather(*deliveries), timeout=10)
+
+
+async def run_then_redeliver(broker: HoldingBroker, task: Any) -> Any:
+    """Send ``task(1)`` and run it; then, as if the worker died before the ack, run it again."""
+    sent = await task.kiq(1)
+    (message,) = broker.queued
+    await broker.deliver()
+    await deliver_copy(broker, message)
+    return sent
+
+
+@all_topologies()
 async def test_a_copy_delivered_while_its_run_goes_on_waits_and_is_not_run_after_a_success(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
@@ -73,9 +97,7 @@ async def test_a_copy_delivered_while_its_run_goes_on_waits_and_is_not_run_after
 
     @broker.task
     async def charge(order: int) -> str:
-        index = runs.begin()
-        await release.wait()
-        runs.end(index)
+        await runs.until(release)
         return f"charged {order}"
 
     sent = await charge.kiq(7)
@@ -88,8 +110,7 @@ async def test_a_copy_delivered_while_its_run_goes_on_waits_and_is_not_run_after
     assert [e.kind for e in events if e.task_id == sent.task_id][-1] is LockEventKind.WAITING
     with pytest.raises(DuplicateTaskError):
         await charge.kiq(7)  # still one call, and still held
-    release.set()
-    await asyncio.wait_for(asyncio.gather(first, copy), timeout=10)
+    await released(release, first, copy)
     assert len(runs.spans) == 1
     skipped = [e for e in events if e.kind is LockEventKind.SKIPPED]
     assert [(e.task_id, e.holder_task_id) for e in skipped] == [(sent.task_id, sent.task_id)]
@@ -107,10 +128,7 @@ async def test_a_copy_delivered_while_its_run_goes_on_waits_and_is_not_run_after
 async def test_a_run_alone_leaves_nothing_when_it_succeeds(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
-    @broker.task
-    async def job() -> None: ...
+    broker, job = await queued_job(make_broker)
 
     await job.kiq()
     await broker.deliver()
@@ -133,11 +151,7 @@ async def test_a_copy_of_a_run_whose_success_is_remembered_does_not_run_again(
         bodies.append(order)
         return "charged"
 
-    sent = await charge.kiq(1)
-    (message,) = broker.queued
-    await broker.deliver()
-    # The worker died before the ack: the broker delivers the message again.
-    await deliver_copy(broker, message)
+    sent = await run_then_redeliver(broker, charge)
     assert bodies == [1]
     assert broker.queued == []  # not retried
     assert [e.kind for e in events if e.kind is LockEventKind.SKIPPED] == [LockEventKind.SKIPPED]
@@ -166,10 +180,7 @@ async def test_a_success_is_remembered_even_if_its_lock_vanished_during_the_run(
             await redis_client.delete(key)
         return "charged"
 
-    sent = await charge.kiq(1)
-    (message,) = broker.queued
-    await broker.deliver()
-    await deliver_copy(broker, message)
+    sent = await run_then_redeliver(broker, charge)
     assert bodies == [1]
     result = await broker.result_backend.get_result(sent.task_id)
     assert result.return_value == "charged"
@@ -204,8 +215,7 @@ async def test_a_copy_of_a_run_that_failed_runs_after_it_and_never_beside_it(
     copy = asyncio.create_task(deliver_copy(broker, message))
     await asyncio.sleep(0.8)
     assert len(runs.spans) == 1
-    release.set()
-    await asyncio.wait_for(asyncio.gather(first, copy), timeout=10)
+    await released(release, first, copy)
     assert len(runs.spans) == 2
     assert runs.overlaps() == 0
     assert await lock_keys(redis_client, prefix) == []
@@ -247,9 +257,7 @@ async def test_a_call_queued_under_started_runs_after_the_run_that_goes_on(
         deduplication_exclusive=exclusive,
     )
     async def refresh() -> None:
-        index = runs.begin()
-        await release.wait()
-        runs.end(index)
+        await runs.until(release)
 
     await refresh.kiq()
     first = asyncio.create_task(broker.deliver_one())
@@ -261,8 +269,7 @@ async def test_a_call_queued_under_started_runs_after_the_run_that_goes_on(
     if exclusive:
         with pytest.raises(DuplicateTaskError):
             await refresh.kiq()  # the second still counts as queued while it waits
-    release.set()
-    await asyncio.wait_for(asyncio.gather(first, second), timeout=10)
+    await released(release, first, second)
     assert len(runs.spans) == 2
     assert runs.overlaps() == (0 if exclusive else 1)
     assert await redis_client.keys(f"{prefix}*") == []
@@ -277,9 +284,7 @@ async def test_a_call_accepted_after_an_expired_window_waits_for_the_last_run(
 
     @broker.task(deduplication_until="expired", deduplication_ttl=1, deduplication_key="digest")
     async def digest() -> None:
-        index = runs.begin()
-        await release.wait()
-        runs.end(index)
+        await runs.until(release)
 
     await digest.kiq()
     first = asyncio.create_task(broker.deliver_one())
@@ -288,8 +293,7 @@ async def test_a_call_accepted_after_an_expired_window_waits_for_the_last_run(
     second = asyncio.create_task(broker.deliver_one())
     await asyncio.sleep(0.8)
     assert len(runs.spans) == 1
-    release.set()
-    await asyncio.wait_for(asyncio.gather(first, second), timeout=10)
+    await released(release, first, second)
     assert len(runs.spans) == 2
     assert runs.overlaps() == 0
     await asyncio.sleep(1.1)
@@ -365,6 +369,7 @@ async def test_a_copy_of_an_attempt_that_a_retry_carries_on_is_not_run(
     assert await redis_client.keys(f"{prefix}*") == []
 
 
+@all_topologies(hash_tag=True)
 async def test_one_running_and_one_queued_with_the_latest_arguments(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
@@ -393,8 +398,7 @@ async def test_one_running_and_one_queued_with_the_latest_arguments(
         with pytest.raises(DuplicateTaskError) as merged:
             await sync.kiq(version)  # merge into the copy that waits
         assert merged.value.merged
-    release.set()
-    await asyncio.wait_for(asyncio.gather(first, second), timeout=10)
+    await released(release, first, second)
     assert ran == [1, 5]
     assert runs.overlaps() == 0
     assert await redis_client.keys(f"{prefix}*") == []
@@ -404,10 +408,7 @@ async def test_one_running_and_one_queued_with_the_latest_arguments(
 async def test_a_bad_exclusive_label_is_refused_by_name(
     make_broker: BrokerFactory, value: str | int
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
-    @broker.task
-    async def job() -> None: ...
+    broker, job = await queued_job(make_broker)
 
     with pytest.raises(ValueError, match="deduplication_exclusive"):
         await job.kicker().with_labels(deduplication_exclusive=value).kiq()

@@ -22,17 +22,21 @@ from taskiq import (
 from taskiq_deduplication import DuplicateTaskError
 from taskiq_deduplication._formats import holder_task_id
 from tests._brokers import HoldingBroker, KeptSchedules, retry_middleware
+from tests._tasks import all_running, held_slow
 from tests.conftest import (
     BrokerFactory,
     MiddlewareFactory,
+    all_topologies,
     dedup_middleware,
     lock_keys,
     lock_value,
+    queued_job,
     running_beats,
     wait_until,
 )
 
 
+@all_topologies()
 async def test_lock_is_released_when_the_task_succeeds(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
@@ -77,13 +81,11 @@ async def test_lock_is_released_once_when_the_task_fails(
     assert await lock_keys(redis_client, prefix) == []
 
 
+@all_topologies()
 async def test_a_task_waiting_in_the_queue_keeps_its_lock(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
-    @broker.task
-    async def job() -> None: ...
+    broker, job = await queued_job(make_broker)
 
     await job.kiq()
     with pytest.raises(DuplicateTaskError):
@@ -144,17 +146,13 @@ async def test_a_lock_taken_by_another_send_meanwhile_is_left_to_it_when_runs_ma
     assert await redis_client.get(key) == "othertoken other-task-id"  # not released by us
 
 
+@all_topologies()
 async def test_heartbeat_keeps_the_lock_of_a_task_that_outlives_its_ttl(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker(default_ttl=2)
-    running = asyncio.Event()
-    finish = asyncio.Event()
-
-    @broker.task
-    async def slow() -> None:
-        running.set()
-        await finish.wait()
+    slow, gate = held_slow(broker)
+    running, finish = gate.started, gate.finish
 
     handle = await slow.kiq()
     await running.wait()
@@ -172,13 +170,8 @@ async def test_without_heartbeat_the_lock_expires_mid_run(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker(default_ttl=1, heartbeat=False)
-    running = asyncio.Event()
-    finish = asyncio.Event()
-
-    @broker.task
-    async def slow() -> None:
-        running.set()
-        await finish.wait()
+    slow, gate = held_slow(broker)
+    running, finish = gate.started, gate.finish
 
     await slow.kiq()
     await running.wait()
@@ -289,20 +282,7 @@ async def test_one_heartbeat_batch_refreshes_many_running_tasks(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker(default_ttl=3)
-    started = 0
-    all_running = asyncio.Event()
-    finish = asyncio.Event()
-
-    @broker.task
-    async def job(n: int) -> None:
-        nonlocal started
-        started += 1
-        if started == 200:
-            all_running.set()
-        await finish.wait()
-
-    await asyncio.gather(*(job.kiq(n=i) for i in range(200)))
-    await all_running.wait()
+    _, finish = await all_running(broker, 200)
     await redis_client.config_resetstat()
     await asyncio.sleep(2.2)  # two refresh intervals of 1 s
     stats = await redis_client.info("commandstats")
@@ -315,6 +295,7 @@ async def test_one_heartbeat_batch_refreshes_many_running_tasks(
     assert await lock_keys(redis_client, prefix) == []
 
 
+@all_topologies()
 @pytest.mark.parametrize("retry_first", [True, False], ids=["retry-first", "dedup-first"])
 @pytest.mark.parametrize("retry_class", [SimpleRetryMiddleware, SmartRetryMiddleware])
 async def test_a_retry_is_not_a_duplicate_of_itself(
@@ -359,6 +340,7 @@ async def test_a_retry_is_not_a_duplicate_of_itself(
     assert len(running_beats(dedup)) == 0
 
 
+@all_topologies()
 async def test_exhausted_retries_release_the_lock(
     make_middleware: MiddlewareFactory,
     make_broker: BrokerFactory,
@@ -389,10 +371,7 @@ async def test_exhausted_retries_release_the_lock(
 async def test_reusing_a_task_id_from_outside_its_run_is_an_ordinary_duplicate(
     make_middleware: MiddlewareFactory, make_broker: BrokerFactory
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
-    @broker.task
-    async def job() -> None: ...
+    _, job = await queued_job(make_broker)
 
     await job.kicker().with_task_id("fixed").kiq()
     with pytest.raises(DuplicateTaskError) as caught:

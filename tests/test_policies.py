@@ -25,9 +25,11 @@ from tests._brokers import HoldingBroker, KeptSchedules, retry_middleware
 from tests.conftest import (
     BrokerFactory,
     MiddlewareFactory,
+    all_topologies,
     dedup_middleware,
     lock_keys,
     lock_value,
+    queued_job,
     running_beats,
 )
 
@@ -58,6 +60,7 @@ async def _refused(call: Any) -> bool:
     return False
 
 
+@all_topologies()
 @pytest.mark.parametrize("row", ROWS)
 @pytest.mark.parametrize("policy", POLICIES)
 async def test_what_counts_as_a_duplicate(
@@ -427,10 +430,7 @@ async def test_bad_policy_labels_are_refused_at_kiq_with_nothing_locked_or_sent(
     labels: dict[str, Any],
     named: str,
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
-    @broker.task
-    async def job() -> None: ...
+    broker, job = await queued_job(make_broker)
 
     for given in (labels, {k: str(v) for k, v in labels.items()}):  # as the scheduler sends
         with pytest.raises(ValueError, match=named) as caught:
@@ -452,10 +452,7 @@ async def test_bad_policy_labels_are_refused_at_kiq_with_nothing_locked_or_sent(
 async def test_policy_labels_in_their_string_forms(
     make_broker: BrokerFactory, labels: dict[str, Any], policy: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
-    @broker.task
-    async def job() -> None: ...
+    broker, job = await queued_job(make_broker)
 
     await job.kicker().with_labels(**labels).kiq()
     (message,) = broker.queued

@@ -6,7 +6,6 @@ the same hook called in process, next to an ordinary ``kiq`` of the same call.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import pytest
@@ -14,6 +13,7 @@ from taskiq import ScheduledTask
 from taskiq.schedule_sources import LabelScheduleSource
 
 from taskiq_deduplication import DeduplicationScheduler, DuplicateTaskError
+from tests._tasks import held_report
 from tests.conftest import BrokerFactory
 
 
@@ -21,11 +21,7 @@ async def test_a_refused_tick_is_logged_once_at_info_and_a_plain_kiq_still_raise
     make_broker: BrokerFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     broker = await make_broker()
-    release = asyncio.Event()
-
-    @broker.task(task_name="report")
-    async def report(day: str) -> None:
-        await release.wait()
+    report, gate = held_report(broker)
 
     scheduler = DeduplicationScheduler(broker, sources=[LabelScheduleSource(broker)])
     tick = ScheduledTask(
@@ -55,4 +51,4 @@ async def test_a_refused_tick_is_logged_once_at_info_and_a_plain_kiq_still_raise
         assert refused.value.holder_task_id == first.task_id
         assert [r.levelname for r in caplog.records if r.levelno >= logging.INFO] == ["WARNING"]
     finally:
-        release.set()
+        gate.finish.set()

@@ -12,10 +12,19 @@ import redis.asyncio
 from taskiq import AsyncTaskiqTask, BrokerMessage, SendTaskError
 
 from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
+from taskiq_deduplication import _pending as pending_module
 from tests._brokers import HoldingBroker, RefusingBroker, holds_no_lock
-from tests.conftest import BrokerFactory, dedup_middleware, lock_keys, lock_value
+from tests.conftest import (
+    BrokerFactory,
+    all_topologies,
+    dedup_middleware,
+    lock_keys,
+    lock_value,
+    queued_job,
+)
 
 
+@all_topologies()
 async def test_second_identical_kiq_raises_naming_the_holder(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
@@ -41,10 +50,7 @@ async def test_second_identical_kiq_raises_naming_the_holder(
 async def test_lock_value_names_the_holder_and_an_owner_token(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
-    @broker.task
-    async def job() -> None: ...
+    _, job = await queued_job(make_broker)
 
     first = await job.kiq()
     (key,) = await lock_keys(redis_client, prefix)
@@ -155,6 +161,49 @@ async def test_lock_gets_the_grace_ttl_then_its_full_ttl(
     await dedup_middleware(broker).shutdown()  # sends the queued extension
     (key,) = await lock_keys(redis_client, prefix)
     assert ttl * 1000 - 10_000 < await redis_client.pttl(key) <= ttl * 1000
+
+
+class GatedBroker(HoldingBroker):
+    """Holds every send in its ``kick`` until ``open`` is set: all are in flight at once."""
+
+    def __init__(self, await_inplace: bool = False) -> None:
+        super().__init__(await_inplace=await_inplace)
+        self.open = asyncio.Event()
+        self.all_in = asyncio.Event()
+        self.expected = 0
+        self.in_kick = 0
+
+    async def kick(self, message: BrokerMessage) -> None:
+        self.in_kick += 1
+        if self.in_kick == self.expected:
+            self.all_in.set()
+        await self.open.wait()
+        await super().kick(message)
+
+
+async def test_more_sends_in_flight_than_are_remembered_still_get_their_full_ttl(
+    make_broker: BrokerFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A bulk enqueue of thousands: more sends between pre_send and post_send
+    # than the middleware keeps a record of (4096; 3 here).
+    monkeypatch.setattr(pending_module, "MAX_SENDS_IN_FLIGHT", 3)
+    broker = await make_broker(broker_class=GatedBroker, default_ttl=120)
+
+    @broker.task
+    async def job(number: int) -> None: ...
+
+    broker.expected = 10
+    sends = [asyncio.ensure_future(job.kiq(number)) for number in range(broker.expected)]
+    await asyncio.wait_for(broker.all_in.wait(), timeout=10)
+    broker.open.set()
+    await asyncio.gather(*sends)
+    await dedup_middleware(broker).shutdown()  # sends the queued extensions
+    keys = await lock_keys(redis_client, prefix)
+    assert len(keys) == 10
+    assert all([await redis_client.pttl(key) > 110_000 for key in keys])  # none on the grace TTL
 
 
 async def test_a_send_the_broker_refuses_releases_its_lock(
@@ -435,6 +484,7 @@ async def test_waiting_for_the_winner(make_broker: BrokerFactory) -> None:
     assert result.return_value == 40
 
 
+@all_topologies()
 async def test_a_burst_of_concurrent_identical_sends_lets_exactly_one_through(
     make_broker: BrokerFactory,
 ) -> None:
@@ -451,6 +501,7 @@ async def test_a_burst_of_concurrent_identical_sends_lets_exactly_one_through(
     assert {r.holder_task_id for r in rejected} == {accepted[0].task_id}
 
 
+@all_topologies()
 async def test_a_burst_of_distinct_sends_never_runs_out_of_connections(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:

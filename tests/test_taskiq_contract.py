@@ -1,7 +1,7 @@
 """Canaries: the taskiq behaviours this library relies on, each pinned by itself.
 
 None of these tests uses the middleware or Redis. Each one checks one fact of
-taskiq that ``middleware.py`` or ``labels.py`` is built on (see docs/design.md,
+taskiq that ``_send.py``, ``_run.py`` or ``_settings.py`` is built on (see docs/design.md,
 "taskiq facts the locks depend on"), and its failure message says what changed upstream
 and which part of this library depends on it. When one fails after a taskiq
 upgrade, fix the library (or the declared taskiq range) before anything else.
@@ -45,10 +45,10 @@ def _retry(retry_class: type[TaskiqMiddleware]) -> TaskiqMiddleware:
 class Recorder(TaskiqMiddleware):
     """Records every hook call as ``(name, hook, task_id)``, with what it saw."""
 
-    def __init__(self, name: str, events: list[tuple[str, str, str]]) -> None:
+    def __init__(self, name: str, events: list[tuple[str, str, str]] | None = None) -> None:
         super().__init__()
         self.name = name
-        self.events = events
+        self.events = [] if events is None else events
         self.sent: list[TaskiqMessage] = []
         self.labels_at_pre_execute: list[dict[str, Any]] = []
         self.labels_snapshot_at_pre_execute: list[dict[str, Any]] = []
@@ -102,6 +102,25 @@ async def run_a_task_that_fails_once(*middlewares: TaskiqMiddleware) -> AsyncTas
     return task
 
 
+async def recorded_retry(retry_class: type[TaskiqMiddleware]) -> Recorder:
+    """What a recorder behind ``retry_class`` saw of a task whose first attempt fails."""
+    recorder = Recorder("A")
+    await run_a_task_that_fails_once(_retry(retry_class), recorder)
+    return recorder
+
+
+def requeued_once(broker: InMemoryBroker) -> Any:
+    """Register ``job()``, whose first run requeues its message (``Context.requeue()``)."""
+    contexts: list[Context] = []
+
+    async def job(context: Context = TaskiqDepends()) -> None:
+        contexts.append(context)
+        if len(contexts) == 1:
+            await context.requeue()
+
+    return broker.register_task(job)
+
+
 async def drain(broker: InMemoryBroker) -> None:
     """Wait for every task, also those a retry or a requeue started meanwhile."""
     for _ in range(100):
@@ -119,8 +138,7 @@ def hooks(events: list[tuple[str, str, str]], name: str | None = None) -> list[s
 
 
 async def test_labels_are_strings_by_the_time_pre_send_sees_them() -> None:
-    events: list[tuple[str, str, str]] = []
-    recorder = Recorder("A", events)
+    recorder = Recorder("A")
     broker = InMemoryBroker().with_middlewares(recorder)
 
     @broker.task(flag=False, ttl=30, fields=["user_id"])
@@ -131,15 +149,14 @@ async def test_labels_are_strings_by_the_time_pre_send_sees_them() -> None:
     labels = recorder.sent[0].labels
     assert (labels["flag"], labels["ttl"], labels["fields"]) == ("False", "30", "['user_id']"), (
         "taskiq no longer turns label values into str (bool -> 'False', int -> '30', list "
-        f"-> its repr) before pre_send: got {labels!r}. labels.py reads the deduplication "
+        f"-> its repr) before pre_send: got {labels!r}. _settings.py reads the deduplication "
         "labels in exactly these string forms (and the Python ones); check that "
         "deduplication=False still disables deduplication."
     )
 
 
 async def test_labels_of_one_call_do_not_stick_to_the_task() -> None:
-    events: list[tuple[str, str, str]] = []
-    recorder = Recorder("A", events)
+    recorder = Recorder("A")
     broker = InMemoryBroker().with_middlewares(recorder)
 
     @broker.task(fields=["user_id"])
@@ -274,9 +291,7 @@ async def test_retry_middlewares_resend_the_same_task_id_from_inside_on_error(
 async def test_the_retry_is_sent_in_the_running_attempts_asyncio_task(
     retry_class: type[TaskiqMiddleware],
 ) -> None:
-    events: list[tuple[str, str, str]] = []
-    recorder = Recorder("A", events)
-    await run_a_task_that_fails_once(_retry(retry_class), recorder)
+    recorder = await recorded_retry(retry_class)
     # pre_send #0 is the caller's kiq, #1 the retry sent from the worker's on_error.
     assert recorder.tasks["pre_send"][1] is recorder.tasks["pre_execute"][0], (
         f"{retry_class.__name__}'s re-send no longer runs in the asyncio task (and so the "
@@ -289,9 +304,7 @@ async def test_the_retry_is_sent_in_the_running_attempts_asyncio_task(
 async def test_retry_middlewares_count_retries_on_the_running_messages_labels(
     retry_class: type[TaskiqMiddleware],
 ) -> None:
-    events: list[tuple[str, str, str]] = []
-    recorder = Recorder("A", events)
-    await run_a_task_that_fails_once(_retry(retry_class), recorder)
+    recorder = await recorded_retry(retry_class)
     seen = recorder.labels_at_pre_execute[0]
     after = recorder.messages_at_post_execute[0].labels
     assert after is seen, (
@@ -320,15 +333,7 @@ async def test_requeue_counts_on_the_running_labels_and_kicks_without_pre_send()
     events: list[tuple[str, str, str]] = []
     recorder = Recorder("A", events)
     broker = Counting().with_middlewares(recorder)
-    runs = 0
-
-    @broker.task
-    async def job(context: Context = TaskiqDepends()) -> None:
-        nonlocal runs
-        runs += 1
-        if runs == 1:
-            await context.requeue()
-
+    job = requeued_once(broker)
     task = await job.kiq()
     await drain(broker)
     first = recorder.messages_at_post_execute[0].labels
@@ -343,18 +348,9 @@ async def test_requeue_counts_on_the_running_labels_and_kicks_without_pre_send()
 
 
 async def test_a_requeued_run_ends_with_no_result_error() -> None:
-    events: list[tuple[str, str, str]] = []
-    recorder = Recorder("A", events)
+    recorder = Recorder("A")
     broker = InMemoryBroker().with_middlewares(recorder)
-    runs = 0
-
-    @broker.task
-    async def job(context: Context = TaskiqDepends()) -> None:
-        nonlocal runs
-        runs += 1
-        if runs == 1:
-            await context.requeue()
-
+    job = requeued_once(broker)
     await job.kiq()
     await drain(broker)
     assert isinstance(recorder.results[0].error, NoResultError), (
@@ -368,9 +364,7 @@ async def test_a_requeued_run_ends_with_no_result_error() -> None:
 async def test_a_run_whose_retry_was_sent_ends_with_no_result_error(
     retry_class: type[TaskiqMiddleware],
 ) -> None:
-    events: list[tuple[str, str, str]] = []
-    recorder = Recorder("A", events)
-    await run_a_task_that_fails_once(_retry(retry_class), recorder)
+    recorder = await recorded_retry(retry_class)
     assert isinstance(recorder.results[0].error, NoResultError), (
         f"{retry_class.__name__} no longer replaces the failed run's error with "
         f"NoResultError once it sent the retry (got {recorder.results[0].error!r}). "

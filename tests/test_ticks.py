@@ -31,6 +31,7 @@ from taskiq_deduplication._ticks import INTERVAL_MARGIN_MS, ONE_OFF_TTL_MS, tick
 from taskiq_deduplication.scheduler import replica
 from tests._brokers import KeptSchedules, RefusingBroker
 from tests._server import Server
+from tests._tasks import held_report
 from tests.conftest import BrokerFactory, MiddlewareFactory, dedup_middleware, wait_until
 
 NOW = datetime(2026, 12, 2, 6, 0, 10, tzinfo=timezone.utc)
@@ -171,6 +172,18 @@ async def test_one_replica_takes_a_tick_in_one_round_trip_and_its_lock_expires_b
     )
 
 
+async def reporting(make_broker: BrokerFactory) -> tuple[InMemoryBroker, list[str]]:
+    """A started broker with the task ``report(day)``, and the days it ran for."""
+    broker = await make_broker()
+    runs: list[str] = []
+
+    @broker.task(task_name="report")
+    async def report(day: str) -> None:
+        runs.append(day)
+
+    return broker, runs
+
+
 async def test_an_interval_tick_goes_out_again_once_its_lock_expired(
     make_middleware: MiddlewareFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
@@ -225,11 +238,7 @@ async def test_taskiqs_own_scheduler_logs_a_tick_refused_by_the_tasks_lock_in_on
     make_broker: BrokerFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     broker = await make_broker()
-    release = asyncio.Event()
-
-    @broker.task(task_name="report")
-    async def report(day: str) -> None:
-        await release.wait()
+    report, gate = held_report(broker)
 
     source = DeduplicatedScheduleSource(LabelScheduleSource(broker), dedup_middleware(broker))
     scheduler = TaskiqScheduler(broker, sources=[source])
@@ -242,7 +251,7 @@ async def test_taskiqs_own_scheduler_logs_a_tick_refused_by_the_tasks_lock_in_on
     del send
     gc.collect()
     await asyncio.sleep(0)
-    release.set()
+    gate.finish.set()
 
     said = [
         (r.name, r.levelname, r.getMessage())
@@ -292,12 +301,7 @@ async def test_a_one_off_refused_by_its_tasks_lock_is_over_and_stays_over(
 async def test_deduplication_scheduler_without_tick_locks_sends_every_tick(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker()
-    runs: list[str] = []
-
-    @broker.task(task_name="report")
-    async def report(day: str) -> None:
-        runs.append(day)
+    broker, runs = await reporting(make_broker)
 
     tick = schedule(interval=60)
     for tick_locks in (True, True, False):
@@ -461,12 +465,7 @@ class SlowFirstPreSend(LabelScheduleSource):
 async def test_a_lone_scheduler_sends_the_next_interval_tick_after_a_late_tick_lock(
     make_broker: BrokerFactory,
 ) -> None:
-    broker = await make_broker()
-    runs: list[str] = []
-
-    @broker.task(task_name="report")
-    async def report(day: str) -> None:
-        runs.append(day)
+    broker, runs = await reporting(make_broker)
 
     source = SlowFirstPreSend(broker)
     scheduler = DeduplicationScheduler(broker, sources=[source])
@@ -528,12 +527,7 @@ async def test_replicas_send_an_interval_schedule_at_least_the_interval_less_hal
 async def test_a_schedule_with_a_cron_and_an_interval_sends_each_interval_tick(
     make_broker: BrokerFactory,
 ) -> None:
-    broker = await make_broker()
-    runs: list[str] = []
-
-    @broker.task(task_name="report")
-    async def report(day: str) -> None:
-        runs.append(day)
+    broker, runs = await reporting(make_broker)
 
     source = LabelScheduleSource(broker)
     scheduler = DeduplicationScheduler(broker, sources=[source])
@@ -594,12 +588,7 @@ async def test_a_tick_that_was_sent_keeps_its_tick_lock_when_post_send_fails(
     prefix: str,
     scheduler_class: type[TaskiqScheduler],
 ) -> None:
-    broker = await make_broker()
-    runs: list[str] = []
-
-    @broker.task(task_name="report")
-    async def report(day: str) -> None:
-        runs.append(day)
+    broker, runs = await reporting(make_broker)
 
     labels = FailingPostSend(broker)
     source: Any = labels
@@ -650,11 +639,7 @@ async def test_a_refused_tick_under_send_timeout_is_as_documented(
     make_broker: BrokerFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     broker = await make_broker()
-    release = asyncio.Event()
-
-    @broker.task(task_name="report")
-    async def report(day: str) -> None:
-        await release.wait()
+    report, gate = held_report(broker)
 
     send_with_timeout = getattr(scheduler_run, "send_with_timeout", None)
     if send_with_timeout is None:
@@ -669,7 +654,7 @@ async def test_a_refused_tick_under_send_timeout_is_as_documented(
     del send
     gc.collect()
     await asyncio.sleep(0)
-    release.set()
+    gate.finish.set()
     refused = [r for r in caplog.records if "still holds its lock" in r.getMessage()]
     never = [r for r in caplog.records if "never retrieved" in r.getMessage()]
     assert [r.levelname for r in refused] == ["INFO"]

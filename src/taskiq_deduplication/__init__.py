@@ -16,24 +16,47 @@ if TYPE_CHECKING:
     from taskiq_deduplication.calls import JoinedTask, TaskLock, kiq_or_join
     from taskiq_deduplication.events import LockEvent, LockEventKind
     from taskiq_deduplication.exceptions import (
+        BacklogFullError,
+        CallTimeoutError,
         DeduplicationError,
         DuplicateTaskError,
+        InvalidArgumentError,
+        InvalidSettingError,
+        MissingMiddlewareError,
         NoLockError,
+        PipelineClosedError,
+        StartupError,
+        UnencodableCallError,
+        UnfingerprintableError,
+        WorkerStartError,
     )
+    from taskiq_deduplication.locks import LockInfo, Locks
     from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
     from taskiq_deduplication.scheduler import DeduplicatedScheduleSource, DeduplicationScheduler
 
 __all__ = [
+    "BacklogFullError",
+    "CallTimeoutError",
     "DeduplicatedScheduleSource",
     "DeduplicationError",
     "DeduplicationScheduler",
     "DuplicateTaskError",
+    "InvalidArgumentError",
+    "InvalidSettingError",
     "JoinedTask",
     "LockEvent",
     "LockEventKind",
+    "LockInfo",
+    "Locks",
+    "MissingMiddlewareError",
     "NoLockError",
+    "PipelineClosedError",
     "RedisDeduplicationMiddleware",
+    "StartupError",
     "TaskLock",
+    "UnencodableCallError",
+    "UnfingerprintableError",
+    "WorkerStartError",
     "__version__",
     "kiq_or_join",
 ]
@@ -42,16 +65,28 @@ __all__ = [
 # `taskiq` command loads `taskiq dedup` (an entry point), and its start should
 # not pay for the middleware and the Redis client when it needs neither.
 _MODULES: Final = {
+    "BacklogFullError": "exceptions",
+    "CallTimeoutError": "exceptions",
     "DeduplicatedScheduleSource": "scheduler",
     "DeduplicationError": "exceptions",
     "DeduplicationScheduler": "scheduler",
     "DuplicateTaskError": "exceptions",
+    "InvalidArgumentError": "exceptions",
+    "InvalidSettingError": "exceptions",
     "JoinedTask": "calls",
     "LockEvent": "events",
     "LockEventKind": "events",
+    "LockInfo": "locks",
+    "Locks": "locks",
+    "MissingMiddlewareError": "exceptions",
     "NoLockError": "exceptions",
+    "PipelineClosedError": "exceptions",
     "RedisDeduplicationMiddleware": "middleware",
+    "StartupError": "exceptions",
     "TaskLock": "calls",
+    "UnencodableCallError": "exceptions",
+    "UnfingerprintableError": "exceptions",
+    "WorkerStartError": "exceptions",
     "kiq_or_join": "calls",
 }
 

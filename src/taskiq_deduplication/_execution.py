@@ -201,25 +201,26 @@ class NotRun(list[Any]):
         raise NoResultError
 
 
-#: The runs that each broker's middlewares follow: a task's `TaskLock` finds its
-#: own there (weakly held: a broker that goes takes its entry with it).
-_FOLLOWED: weakref.WeakKeyDictionary[AsyncBroker, list[Executions]] = weakref.WeakKeyDictionary()
+#: The runs each middleware follows, for a task's `TaskLock` to find its own
+#: (weakly held: a middleware that goes takes its entry with it).
+_FOLLOWED: weakref.WeakKeyDictionary[object, Executions] = weakref.WeakKeyDictionary()
 
 
-def follow_runs(broker: AsyncBroker, executions: Executions) -> None:
-    """Let the tasks of ``broker`` find their runs in ``executions``."""
-    _FOLLOWED.setdefault(broker, []).append(executions)
+def follow_runs(middleware: object, executions: Executions) -> None:
+    """Let the tasks of ``middleware``'s broker find their runs in ``executions``."""
+    _FOLLOWED[middleware] = executions
 
 
 def run_of(broker: AsyncBroker, task_id: str) -> Execution | None:
-    """The run of ``task_id`` whose context this is, among those ``broker``'s middlewares follow.
+    """The run of ``task_id`` whose context this is, among those of ``broker``'s middlewares.
 
     A task's dependencies (`TaskLock`) are resolved in the run's asyncio task,
     but its body may run in another (a ``timeout`` label on Python 3.10), with
     a copy of the context.
     """
-    for executions in _FOLLOWED.get(broker, ()):
-        execution = executions.of_run(task_id)
+    for middleware in broker.middlewares:
+        executions = _FOLLOWED.get(middleware)
+        execution = executions.of_run(task_id) if executions is not None else None
         if execution is not None:
             return execution
     return None

@@ -26,6 +26,8 @@ from typing import Any
 import pydantic
 import pydantic_core
 
+from taskiq_deduplication.exceptions import UnfingerprintableError
+
 __all__ = ["call_fingerprint", "fields_fingerprint", "schedule_fingerprint"]
 
 _JSON_SCALARS = (str, int, float, bool, type(None))
@@ -106,7 +108,7 @@ def _digest(task_name: str, call: list[Any]) -> str:
             "Pass values that taskiq can serialise, or set the 'deduplication_key' "
             "label to choose the lock key yourself."
         )
-        raise TypeError(msg) from None
+        raise UnfingerprintableError(msg) from None
     digest = hashlib.sha256(encoded.encode("utf-8", "surrogatepass")).digest()
     # base64url rather than hex: the whole digest in 43 characters, not 64, which
     # keeps a lock key (and so Redis memory per lock) small.

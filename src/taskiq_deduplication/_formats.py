@@ -60,10 +60,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import unquote
 
+from taskiq_deduplication._policies import FINISHED
+
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
 #: Between the key prefix and the lock's name.
+#: The prefix of every key when the ``key_prefix`` option says nothing.
+DEFAULT_PREFIX: Final = "taskiq:deduplication"
 KEY_SEPARATOR: Final = ":"
 
 # Labels the sender writes on each message it locked.
@@ -107,7 +111,7 @@ SUCCEEDED_MARK: Final = "="
 NO_OWNER: Final = "-"
 # After a running slot's value while a copy of its task waits for the run.
 WAITED_MARK: Final = " +"
-DEFAULT_UNTIL: Final = "finished"
+DEFAULT_UNTIL: Final = FINISHED.name
 #: Between an owner token's random part and the lock's record, and between the
 #: record's fields. Never in a random part (base64url, with ``.`` before a digest).
 RECORD_MARK: Final = "/"
@@ -144,16 +148,6 @@ def namespace_patterns(prefix: str) -> tuple[str, ...]:
     that deletes what they match leaves nothing of the prefix behind.
     """
     return (key_pattern(prefix), _literal(prefix) + SIDE_SEPARATOR + "*")
-
-
-def belonging_patterns(prefix: str) -> tuple[str, ...]:
-    """``SCAN MATCH`` patterns of the locks under ``prefix`` and of the keys that belong to them.
-
-    What releasing every lock under ``prefix`` deletes; the fence counter, which
-    belongs to no lock (fences must only grow), is not matched.
-    """
-    side = _literal(prefix) + SIDE_SEPARATOR
-    return (key_pattern(prefix), *(f"{side}{kind}{KEY_SEPARATOR}*" for kind in _BELONGING))
 
 
 def belonging_keys(lock: str) -> list[str]:

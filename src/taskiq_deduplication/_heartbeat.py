@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from taskiq_deduplication._formats import holder_task_id
-from taskiq_deduplication._store import REDIS_ERRORS, Lock, LockStore, Reasserted
+from taskiq_deduplication._store import Lock, LockStore, Reasserted
 from taskiq_deduplication.events import EventSink, LockEventKind
+from taskiq_deduplication.exceptions import REDIS_ERRORS
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -1,26 +1,23 @@
 """The lock key of a call, and the digest of its arguments.
 
 ``pre_send`` makes a call's key here, and so do the test helpers and the CLI
-(through the middleware's ``_send_key``, with its options), so they can never
-disagree. Nothing here is sent or talks to Redis.
+(through the middleware's ``locks.key_for``, with its options), so they can
+never disagree. Nothing here is sent or talks to Redis.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
-
-from taskiq import TaskiqMessage
+from typing import TYPE_CHECKING
 
 from taskiq_deduplication._fingerprint import call_fingerprint, fields_fingerprint
 from taskiq_deduplication._formats import arguments_digest, lock_key, token_digest
 from taskiq_deduplication._settings import KEY_FIELDS_LABEL
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from taskiq import TaskiqMessage
 
     from taskiq_deduplication._settings import SendOptions
-    from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
 
 # Its warnings are the middleware's: they are about a send.
 logger = logging.getLogger("taskiq_deduplication.middleware")
@@ -77,36 +74,3 @@ def same_arguments(holder: str, digest: str | None, send: SendOptions) -> bool |
         return True
     theirs = token_digest(holder)
     return None if digest is None or theirs is None else theirs == digest
-
-
-def call_key(
-    middleware: RedisDeduplicationMiddleware,
-    task_name: str,
-    args: Sequence[Any] = (),
-    kwargs: Mapping[str, Any] | None = None,
-    labels: Mapping[str, Any] | None = None,
-) -> str | None:
-    """The key of the lock a send of this call would take with ``middleware``.
-
-    Args:
-        middleware: The middleware the call is sent through.
-        task_name: The task's name.
-        args: The call's positional arguments.
-        kwargs: The call's keyword arguments.
-        labels: The labels of the send (the task's and the call's), as Python
-            values or as the strings taskiq turns them into.
-
-    Returns:
-        The key, or ``None`` when deduplication is off for this call.
-
-    Raises:
-        ValueError: A deduplication label has an invalid value, as ``kiq`` would.
-    """
-    message = TaskiqMessage(
-        task_id="",
-        task_name=task_name,
-        labels=dict(labels or {}),
-        args=list(args),
-        kwargs=dict(kwargs or {}),
-    )
-    return middleware._send_key(message)  # noqa: SLF001 (the middleware's own key)

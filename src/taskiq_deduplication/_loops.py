@@ -132,16 +132,17 @@ class LoopStates:
                     await state.client.aclose()
 
 
-#: The loop states of each middleware, for the parts that take locks beside its
-#: hooks (the scheduler's tick locks); weakly held, as the middleware is.
-_STATES: weakref.WeakKeyDictionary[object, LoopStates] = weakref.WeakKeyDictionary()
+#: The loop states of each middleware (by its id), for the parts that take locks
+#: beside its hooks (the scheduler's tick locks). Weakly held: the states refer
+#: to their middleware, which owns them, and both go together.
+_STATES: weakref.WeakValueDictionary[int, LoopStates] = weakref.WeakValueDictionary()
 
 
 def register_states(owner: object, states: LoopStates) -> None:
-    """Make ``states`` the loop states of ``owner`` (a middleware)."""
-    _STATES[owner] = states
+    """Make ``states`` the loop states of ``owner`` (a middleware), as long as both live."""
+    _STATES[id(owner)] = states
 
 
 def states_of(owner: object) -> LoopStates:
     """The loop states of ``owner``, registered with `register_states`."""
-    return _STATES[owner]
+    return _STATES[id(owner)]

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from taskiq_deduplication._store import Lock
 
 #: Most sends remembered between their pre_send and post_send (one whose
-#: broker failed never gets a post_send; the oldest is forgotten first).
+#: broker failed never gets a post_send; the oldest is forgotten first, and its
+#: post_send then reads its lock from the message's labels).
 MAX_SENDS_IN_FLIGHT: Final = 4096
 
 
@@ -64,10 +65,14 @@ class PendingSends:
             self._by_value.pop(next(iter(self._by_value), ""), None)
         self._by_value[value] = send
 
-    def take(self, labels: Mapping[str, object]) -> PendingSend | None:
-        """The send of the message with these ``labels``, forgotten from now on."""
+    def take(self, labels: Mapping[str, object], task_id: str) -> PendingSend | None:
+        """The send of the message ``task_id`` with these ``labels``, forgotten from now on.
+
+        Labels copied onto another message (a middleware that reuses a
+        parent's) name another task's lock, and find nothing.
+        """
         value = labels.get(LOCK_OWNER_LABEL)
-        if not isinstance(value, str):
+        if not isinstance(value, str) or not value.endswith(f" {task_id}"):
             return None
         send = self._by_value.pop(value, None)
         if send is not None and send.outer is not None:

@@ -29,10 +29,15 @@ from redis.asyncio.connection import (  # type: ignore[attr-defined]
     async_timeout,  # the timeout redis-py reads under, on every Python
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from taskiq_deduplication.exceptions import DeduplicationError
+from taskiq_deduplication.exceptions import (
+    BacklogFullError,
+    CallTimeoutError,
+    PipelineClosedError,
+    UnencodableCallError,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -50,32 +55,6 @@ _MAX_BATCH: Final = 512
 MAX_QUEUED: Final = 10_000
 # Seconds between two warnings about calls dropped because the queue was full.
 _DROP_WARNING_INTERVAL: Final = 10.0
-
-
-class CallTimeoutError(DeduplicationError, RedisTimeoutError):
-    """A lock call got no reply by its deadline.
-
-    Attributes:
-        sent: Whether the call was ever written to Redis. One that was not
-            cannot have run there, so it needs no undoing.
-    """
-
-    def __init__(self, message: str, *, sent: bool) -> None:
-        """Describe the timeout; ``sent`` says whether the call went out."""
-        super().__init__(message)
-        self.sent = sent
-
-
-class BacklogFullError(DeduplicationError, RedisError):
-    """So many lock calls wait for Redis already that a new one fails at once."""
-
-
-class PipelineClosedError(DeduplicationError, RedisError):
-    """The lock pipeline was closed (the middleware shut down) before the call ended."""
-
-
-class UnencodableCallError(DeduplicationError, ValueError):
-    """A lock call carries text that the Redis client cannot encode (a lone surrogate)."""
 
 
 @dataclass(eq=False, slots=True)

@@ -31,8 +31,9 @@ from taskiq_deduplication._formats import (
 )
 from taskiq_deduplication._heartbeat import Beat
 from taskiq_deduplication._policies import FINISHED, POLICIES, Step
-from taskiq_deduplication._store import REDIS_ERRORS, Claimed, Lock
+from taskiq_deduplication._store import Claimed, Lock
 from taskiq_deduplication.events import LockEventKind
+from taskiq_deduplication.exceptions import REDIS_ERRORS
 
 if TYPE_CHECKING:
     from taskiq import TaskiqMessage, TaskiqResult
@@ -85,11 +86,7 @@ class Runs:
         self._not_exclusive: set[str] = set()
 
     async def pre_execute(self, message: TaskiqMessage) -> TaskiqMessage:
-        """Begin the run of a locked task: do what its policy says at the start.
-
-        ``"finished"`` re-asserts the lock and lets the heartbeat keep it alive,
-        ``"started"`` releases it, ``"expired"`` leaves it to its TTL.
-        """
+        """Begin the run of a locked task (the ``pre_execute`` hook)."""
         recorded = read_lock_labels(message.labels, message.task_id)
         if recorded is None:
             return message
@@ -136,15 +133,7 @@ class Runs:
             execution.stop_heartbeat()
 
     async def post_execute(self, message: TaskiqMessage, result: TaskiqResult[Any]) -> None:
-        """End the run: do what its policy says on success, on failure, or when passed on.
-
-        A run whose lock a retry took over leaves it to the retry. A run that
-        passed itself on to a later delivery without a send through this
-        middleware (``Context.requeue``, a retry left to a schedule source)
-        keeps its lock for it as the policy says. Otherwise a success and a
-        failure each get the step of their own: ``"finished"`` releases the
-        lock (or keeps it for the success TTL after a success).
-        """
+        """End the run of a locked task (the ``post_execute`` hook)."""
         execution = self._executions.current(message.task_id)
         if execution is None:
             return

@@ -37,10 +37,15 @@ from taskiq_deduplication._formats import (
 )
 from taskiq_deduplication._pending import PendingSend
 from taskiq_deduplication._policies import RetrySend
-from taskiq_deduplication._store import REDIS_ERRORS, Acquired, Lock
+from taskiq_deduplication._store import Acquired, Lock
 from taskiq_deduplication.calls import joining, takes_task_lock
 from taskiq_deduplication.events import LockEventKind
-from taskiq_deduplication.exceptions import UNSENT_HOLDER, DuplicateTaskError, InvalidSettingError
+from taskiq_deduplication.exceptions import (
+    REDIS_ERRORS,
+    UNSENT_HOLDER,
+    DuplicateTaskError,
+    InvalidSettingError,
+)
 
 if TYPE_CHECKING:
     from taskiq import BrokerMessage
@@ -141,7 +146,7 @@ class Sends:
 
     async def post_send(self, message: TaskiqMessage) -> None:
         """Give the lock its full TTL, now that the broker accepted the message (see the hook)."""
-        send = self._pending.take(message.labels)
+        send = self._pending.take(message.labels, message.task_id) or self._forgotten(message)
         if send is None or send.ended:
             return  # sent without a lock, or its run ended the lock already
         lock = send.lock
@@ -168,7 +173,7 @@ class Sends:
         telling (the process dies, the kiq is cancelled) leaves its lock to
         the grace TTL.
         """
-        send = self._pending.take(message.labels)
+        send = self._pending.take(message.labels, message.task_id)
         if send is None or not send.taken or send.ended:
             return
         state = self._states.get()
@@ -182,6 +187,21 @@ class Sends:
             type(error).__name__,
         )
         state.locks.release_unsent(send.lock, send.merged_key)
+
+    def _forgotten(self, message: TaskiqMessage) -> PendingSend | None:
+        """The send of ``message`` as its labels record it, when its record was forgotten.
+
+        More than `MAX_SENDS_IN_FLIGHT` sends between their pre_send and
+        post_send at once (a bulk enqueue of thousands) forget the oldest
+        records; their locks still get their full TTL.
+        """
+        recorded = read_lock_labels(message.labels, message.task_id)
+        if recorded is None or recorded.token == NO_OWNER:
+            return None
+        lock = Lock(recorded.key, recorded.token, message.task_id, recorded.ttl * 1000)
+        merges = recorded.merge is not None
+        merged_key = merge_key(self._options.key_prefix, lock.key) if merges else None
+        return PendingSend(lock, merged_key, extends=lock.ttl_ms > GRACE_TTL * 1000, taken=True)
 
     def key_of(self, message: TaskiqMessage) -> str | None:
         """The key a first send of ``message`` takes, or ``None`` if it is not deduplicated.

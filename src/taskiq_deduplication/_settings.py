@@ -1,14 +1,12 @@
-"""Every setting, read once: the middleware's options and the task labels alike.
+"""Every setting, read once: an option and its label alike.
 
-A setting that is both an option and a label (``default_ttl`` and
-``deduplication_ttl``, ``default_until`` and ``deduplication_until``, ...) is
-parsed by one function, which takes a label's string form too: taskiq turns
-every label into a string before any middleware sees it (``deduplication=False``
-arrives as ``"False"``, ``deduplication_key_fields=["a"]`` as ``"['a']"``), and
-scheduled sends lose even the type table the worker uses to turn them back.
-Options are typed Python values and are never read from a string. Labels are
-strict on the sender and tolerant on the worker; their parsing is cached per
-raw value, since the same few label values come back on every ``kiq``.
+An option and its label (``default_ttl``, ``deduplication_ttl``) are parsed by
+one function, which reads a label's string form too: taskiq turns every label
+into a string before any middleware sees it (``deduplication=False`` arrives as
+``"False"``, ``deduplication_key_fields=["a"]`` as ``"['a']"``), and scheduled
+sends lose even the type table the worker uses to turn them back. Options are
+typed values, never read from a string. Labels are strict on the sender and
+tolerant on the worker, and parsed once per raw value.
 """
 
 from __future__ import annotations
@@ -27,9 +25,6 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
     from taskiq.abc.broker import AsyncBroker
-
-#: The prefix of every key when the ``key_prefix`` option says nothing.
-DEFAULT_PREFIX: Final = "taskiq:deduplication"
 
 ENABLED_LABEL: Final = "deduplication"
 TTL_LABEL: Final = "deduplication_ttl"
@@ -405,20 +400,23 @@ def _parse_bool(value: object, *, text: bool) -> bool:
 
 @functools.lru_cache(maxsize=256, typed=True)
 def _parse_ttl(value: object, *, text: bool) -> int:
+    return _whole_seconds(value, text=text, least=1, what="the TTL")
+
+
+def _whole_seconds(value: object, *, text: bool, least: int, what: str) -> int:
+    """Whole seconds from ``least`` to ten years (from a string too, with ``text``)."""
     if isinstance(value, bool):
         msg = "expected a whole number of seconds, not a boolean"
         raise ValueError(msg)
-    if isinstance(value, int):
-        seconds = value
-    elif text and isinstance(value, str) and value.strip().lstrip("+-").isdigit():
-        seconds = int(value)
-    else:
+    if text and isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        value = int(value)
+    if not isinstance(value, int):
         msg = "expected a whole number of seconds"
         raise ValueError(msg)
-    if not 1 <= seconds <= MAX_TTL:
-        msg = f"the TTL must be from 1 to {MAX_TTL} seconds (ten years)"
+    if not least <= value <= MAX_TTL:
+        msg = f"{what} must be from {least} to {MAX_TTL} seconds (ten years)"
         raise ValueError(msg)
-    return seconds
+    return value
 
 
 @functools.lru_cache(maxsize=256, typed=True)
@@ -486,15 +484,7 @@ def _parse_until(value: object, *, text: bool) -> Policy:
 
 @functools.lru_cache(maxsize=256, typed=True)
 def _parse_success_ttl(value: object, *, text: bool) -> int:
-    if text and isinstance(value, str) and value.strip().lstrip("+-").isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        msg = "expected a whole number of seconds"
-        raise ValueError(msg)
-    if not 0 <= value <= MAX_TTL:
-        msg = f"the success TTL must be from 0 to {MAX_TTL} seconds (ten years)"
-        raise ValueError(msg)
-    return value
+    return _whole_seconds(value, text=text, least=0, what="the success TTL")
 
 
 @functools.lru_cache(maxsize=64, typed=True)

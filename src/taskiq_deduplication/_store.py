@@ -16,16 +16,15 @@ from importlib import resources
 from typing import TYPE_CHECKING, Final
 
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from taskiq_deduplication._formats import lock_value
 from taskiq_deduplication._pipeline import (
-    CallTimeoutError,
     Pipeline,
     ScriptCall,
     text,
 )
+from taskiq_deduplication.exceptions import CallTimeoutError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -35,9 +34,6 @@ if TYPE_CHECKING:
 
     RedisClient = Redis | RedisCluster
 
-#: The errors that mean "Redis could not be reached or did not answer". A cluster
-#: client that reaches no node raises RedisClusterException, which is no RedisError.
-REDIS_ERRORS: Final = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
 
 # Most locks in one re-assert call.
 _MAX_KEYS_PER_REASSERT: Final = 500

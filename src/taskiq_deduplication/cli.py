@@ -33,20 +33,24 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, Final, NoReturn
+from urllib.parse import urlsplit
 
 from taskiq.abc.cmd import TaskiqCMD
 
-if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Sequence
+from taskiq_deduplication._formats import DEFAULT_PREFIX
 
-    from taskiq_deduplication._inspect import HeldLock, Reading, RedisClient
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Iterable, Sequence
+
+    from taskiq_deduplication.locks import LockInfo, Locks
     from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
 
 __all__ = ["DedupCMD", "ExitCode", "main"]
 
 _PROG = "taskiq dedup"
-_DEFAULT_PREFIX = "taskiq:deduplication"
+# Locks released at once: their scripts share the client's connections.
+_RELEASED_AT_ONCE: Final = 1000
 
 
 class ExitCode(enum.IntEnum):
@@ -116,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return _fail(ExitCode.INTERRUPTED, "interrupted")
     except Exception as exc:  # noqa: BLE001 (one line, never a traceback, whatever failed)
-        from taskiq_deduplication._store import REDIS_ERRORS  # noqa: PLC0415 (see the docstring)
+        from taskiq_deduplication.exceptions import REDIS_ERRORS  # noqa: PLC0415 (see the docstring)
 
         said = f"{type(exc).__name__}: {_one_line(exc)}"
         return _fail(ExitCode.ERROR, f"Redis: {said}" if isinstance(exc, REDIS_ERRORS) else said)
@@ -149,7 +153,7 @@ def _parser() -> _Parser:
     )
     redis.add_argument(
         "--prefix",
-        help=f"the middleware's key_prefix, without --app (default: {_DEFAULT_PREFIX})",
+        help=f"the middleware's key_prefix, without --app (default: {DEFAULT_PREFIX})",
     )
     output = _Parser(add_help=False)
     output.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -197,28 +201,27 @@ def _parser() -> _Parser:
 
 
 @dataclass(frozen=True)
-class _Locks:
+class _Where:
     """Where the command line's locks are: their key prefix, and the app's middleware."""
 
-    prefix: str
-    given: bool
-    """Whether the prefix was given (``--prefix``, ``--app``) rather than the default."""
+    prefix: str | None
+    """The prefix given (``--prefix``, ``--app``), ``None`` for the default."""
     middleware: RedisDeduplicationMiddleware | None
 
 
-def _locks_of(args: argparse.Namespace) -> _Locks:
+def _where(args: argparse.Namespace) -> _Where:
     if args.app is not None:
         if args.prefix is not None:
             msg = "--prefix: not with --app, whose middleware names its key_prefix"
             raise _UsageError(msg)
         middleware = _app_middleware(args.app)
-        return _Locks(middleware.key_prefix, True, middleware)  # noqa: FBT003
+        return _Where(middleware.key_prefix, middleware)
     if args.prefix is None:
-        return _Locks(_DEFAULT_PREFIX, False, None)  # noqa: FBT003
+        return _Where(None, None)
     from taskiq_deduplication import _settings as settings  # noqa: PLC0415 (see the docstring)
 
     try:
-        return _Locks(settings.check_prefix(args.prefix), True, None)  # noqa: FBT003
+        return _Where(settings.check_prefix(args.prefix), None)
     except ValueError as exc:
         raise _UsageError(f"--prefix: {exc}") from None
 
@@ -227,65 +230,51 @@ def _locks_of(args: argparse.Namespace) -> _Locks:
 
 
 async def _list(args: argparse.Namespace) -> int:
-    from taskiq_deduplication import _inspect as inspect  # noqa: PLC0415 (see the docstring)
-    from taskiq_deduplication._formats import key_pattern  # noqa: PLC0415
-
-    where = _locks_of(args)
-    async with _connected(args, where) as client:
-        reading = inspect.Reading()
-        locks = [
-            lock
-            async for batch in inspect.lock_batches(
-                client, key_pattern(where.prefix, args.match), where.prefix, reading
-            )
-            for lock in batch
-        ]
-    locks.sort(key=lambda lock: lock.key)
+    async with _opened(args, _where(args)) as locks:
+        found = [lock async for lock in locks.scan(args.match)]
+    found.sort(key=lambda lock: lock.key)
     if args.json:
-        _print_json([lock.as_dict() for lock in locks])
+        _print_json([_as_dict(lock) for lock in found])
     else:
-        _print_table(locks)
-        count = len(locks)
-        print(f"{count} lock{'' if count == 1 else 's'} under {where.prefix}:{args.match}")
-    _warn_ttl(reading)
+        _print_table(found)
+        count = len(found)
+        print(f"{count} lock{'' if count == 1 else 's'} under {locks.prefix}:{args.match}")
+    _warn_ttl(found)
     return ExitCode.OK
 
 
 async def _show(args: argparse.Namespace) -> int:
-    from taskiq_deduplication import _inspect as inspect  # noqa: PLC0415 (see the docstring)
-
-    where = _locks_of(args)
-    async with _connected(args, where) as client:
-        reading = inspect.Reading()
-        (lock,), missing = await _find(client, [args.key], where, reading)
-    _warn_ttl(reading)
+    async with _opened(args, _where(args)) as locks:
+        lock = await locks.get(args.key)
+    _warn_ttl([lock] if lock is not None else [])
     if lock is None:
         if args.json:
             _print_json(None)
-        return _fail(ExitCode.NOT_FOUND, missing[0])
+        return _fail(ExitCode.NOT_FOUND, _missing(locks, args.key))
     if args.json:
-        _print_json(lock.as_dict())
+        _print_json(_as_dict(lock))
     else:
         _print_lock(lock)
     return ExitCode.OK
 
 
 async def _release(args: argparse.Namespace) -> int:
-    from taskiq_deduplication import _inspect as inspect  # noqa: PLC0415 (see the docstring)
-
-    where = _locks_of(args)
+    where = _where(args)
     if not args.keys and args.match is None:
         raise _UsageError("name the locks to release: KEY ... or --match GLOB")
-    async with _connected(args, where) as client:
-        locks, complete = await _to_release(client, args, where)
-        if not locks:
+    async with _opened(args, where) as locks:
+        found, complete = await _to_release(locks, args)
+        if not found:
             if args.json:
                 _print_json([])
             return _fail(ExitCode.NOT_FOUND, "nothing to release")
-        if not args.yes and not _confirmed(locks):
+        if not args.yes and not _confirmed(found):
             return _fail(ExitCode.NOT_FOUND, "nothing released")
-        released = await inspect.release(client, locks)
-    for lock, done in zip(locks, released, strict=True):
+        released: list[bool] = []
+        for start in range(0, len(found), _RELEASED_AT_ONCE):
+            batch = found[start : start + _RELEASED_AT_ONCE]
+            released += await asyncio.gather(*(locks.release(lock) for lock in batch))
+    for lock, done in zip(found, released, strict=True):
         if args.json:
             continue
         if done:
@@ -295,44 +284,36 @@ async def _release(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(
             [
-                {**lock.as_dict(), "released": done}
-                for lock, done in zip(locks, released, strict=True)
+                {**_as_dict(lock), "released": done}
+                for lock, done in zip(found, released, strict=True)
             ]
         )
     return ExitCode.OK if complete and all(released) else ExitCode.NOT_FOUND
 
 
-async def _to_release(
-    client: RedisClient, args: argparse.Namespace, where: _Locks
-) -> tuple[list[HeldLock], bool]:
+async def _to_release(locks: Locks, args: argparse.Namespace) -> tuple[list[LockInfo], bool]:
     """The locks the command line names, read now, and whether each named key held one."""
-    from taskiq_deduplication import _inspect as inspect  # noqa: PLC0415 (see the docstring)
-    from taskiq_deduplication._formats import key_pattern  # noqa: PLC0415
-
-    reading = inspect.Reading()
-    named, missing = await _find(client, args.keys, where, reading)
+    named = await asyncio.gather(*(locks.get(key) for key in args.keys))
+    pairs = zip(args.keys, named, strict=True)
+    missing = [_missing(locks, key) for key, lock in pairs if lock is None]
     found = [lock for lock in named if lock is not None]
     if args.match is not None:
-        pattern = key_pattern(where.prefix, args.match)
-        async for batch in inspect.lock_batches(client, pattern, where.prefix, reading):
-            found += batch
+        found += [lock async for lock in locks.scan(args.match)]
     by_key = {lock.key: lock for lock in found}
     for message in missing:
         _say(message)
     complete = not missing
-    locks = []
+    chosen = []
     for lock in sorted(by_key.values(), key=lambda lock: lock.key):
         if lock.holder_task_id is None:
             _say(f"left alone {lock.key!r}: its value is not a lock of this library")
             complete = False
         else:
-            locks.append(lock)
-    return locks, complete
+            chosen.append(lock)
+    return chosen, complete
 
 
 async def _key(args: argparse.Namespace) -> int:
-    from taskiq_deduplication import _inspect as inspect  # noqa: PLC0415 (see the docstring)
-
     spec, task_name = _app_and_task(args)
     middleware = _app_middleware(spec)
     broker = middleware.broker
@@ -343,11 +324,12 @@ async def _key(args: argparse.Namespace) -> int:
     call_args = _json_argument("--args", args.args, list)
     call_kwargs = _json_argument("--kwargs", args.kwargs, dict)
     call_labels = _json_argument("--labels", args.labels, dict)
-    # The message exactly as kiq() builds it (labels turned into strings, models
-    # into dicts), with the task's own labels under the call's.
-    message = task.kicker().with_labels(**call_labels)._prepare_message(*call_args, **call_kwargs)  # noqa: SLF001 (taskiq's own way to build the message kiq sends)
+    # The call as kiq() makes it, with the task's own labels under the call's:
+    # the middleware computes its key, so the two cannot disagree.
     try:
-        key = middleware._send_key(message)  # noqa: SLF001 (the middleware computes it, so the two cannot disagree)
+        key = middleware.locks.key_for(
+            task.kicker().with_labels(**call_labels), *call_args, **call_kwargs
+        )
     except (ValueError, TypeError) as exc:
         raise _UsageError(f"task {task_name!r}: {exc}") from None
     result: dict[str, Any] = {
@@ -363,15 +345,12 @@ async def _key(args: argparse.Namespace) -> int:
         else:
             print(f"task    {task_name}\nkey     none: deduplication is off for this call")
         return ExitCode.NOT_FOUND
-    where = _Locks(middleware.key_prefix, True, middleware)  # noqa: FBT003
-    async with _connected(args, where) as client:
-        reading = inspect.Reading()
-        found = await inspect.read_locks(client, [key], middleware.key_prefix, reading)
-    _warn_ttl(reading)
-    lock = found[0] if found else None
+    async with _opened(args, _Where(middleware.key_prefix, middleware)) as locks:
+        lock = await locks.get(key)
+    _warn_ttl([lock] if lock is not None else [])
     if args.json:
         if lock is not None:
-            result |= {**lock.as_dict(), "held": True}
+            result |= {**_as_dict(lock), "held": True}
         _print_json(result)
     else:
         print(f"task    {task_name}\nkey     {key}")
@@ -395,88 +374,43 @@ def _app_and_task(args: argparse.Namespace) -> tuple[str, str]:
     raise _UsageError(msg)
 
 
-async def _find(
-    client: RedisClient, keys: Sequence[str], where: _Locks, reading: Reading
-) -> tuple[list[HeldLock | None], list[str]]:
-    """The lock each of ``keys`` names (``None`` for none), and what to say of the missing.
-
-    A KEY under the prefix, or without a ``:`` (no lock key lacks one), is a
-    full key or a name under the prefix, as it reads. Without ``--prefix`` or
-    ``--app`` any other KEY may be a full key under another application's
-    prefix (``DuplicateTaskError.key`` from an app with a ``key_prefix`` of its
-    own) or a name that holds a ``:`` under the default prefix: it names
-    whichever holds a lock, the full key first.
-    """
-    from redis.exceptions import NoPermissionError  # noqa: PLC0415 (see the docstring)
-
-    from taskiq_deduplication import _inspect as inspect  # noqa: PLC0415
-    from taskiq_deduplication._formats import lock_key  # noqa: PLC0415
-
-    head = where.prefix + ":"
-    readings: list[list[str]] = []
-    for key in keys:
-        prefixed = key if key.startswith(head) else lock_key(where.prefix, key)
-        either = not where.given and key != prefixed and ":" in key
-        readings.append([key, prefixed] if either else [prefixed])
-    found = {
-        lock.key: lock
-        for lock in await inspect.read_locks(
-            client, [candidates[0] for candidates in readings], where.prefix, reading
-        )
-    }
-    second = [
-        candidates[1]
-        for candidates in readings
-        if len(candidates) > 1 and not _ours(found.get(candidates[0]))
-    ]
-
-    async def read_if_allowed(key: str) -> list[HeldLock]:
-        # A key outside what the Redis user may read holds no lock of theirs.
-        with contextlib.suppress(NoPermissionError):
-            return await inspect.read_locks(client, [key], where.prefix, reading)
-        return []
-
-    for locks in await asyncio.gather(*(read_if_allowed(key) for key in second)):
-        found |= {lock.key: lock for lock in locks}
-    chosen: list[HeldLock | None] = []
-    missing: list[str] = []
-    for candidates in readings:
-        held = [found[key] for key in candidates if key in found]
-        lock = next((lock for lock in held if _ours(lock)), held[0] if held else None)
-        chosen.append(lock)
-        if lock is None:
-            nor = f" (nor at {candidates[1]!r})" if len(candidates) > 1 else ""
-            missing.append(f"no lock at {candidates[0]!r}{nor}")
-    return chosen, missing
-
-
-def _ours(lock: HeldLock | None) -> bool:
-    return lock is not None and lock.holder_task_id is not None
+def _missing(locks: Locks, key: str) -> str:
+    """What to say of a KEY that names no lock: where it was looked for."""
+    first, *other = locks.lookup_keys(key)
+    nor = f" (nor at {other[0]!r})" if other else ""
+    return f"no lock at {first!r}{nor}"
 
 
 @contextlib.asynccontextmanager
-async def _connected(args: argparse.Namespace, where: _Locks) -> AsyncIterator[RedisClient]:
-    """The client for ``--url``, else the app's, else ``REDIS_URL``'s; closed at the end if ours."""
-    from taskiq_deduplication import _inspect as inspect  # noqa: PLC0415 (see the docstring)
+async def _opened(args: argparse.Namespace, where: _Where) -> AsyncIterator[Locks]:
+    """The locks at ``--url``, else the app's, else ``REDIS_URL``'s; closed at the end if ours."""
+    from taskiq_deduplication.locks import Locks  # noqa: PLC0415 (see the docstring)
 
     url = args.url
     if not url and where.middleware is not None:
-        url = where.middleware._url  # noqa: SLF001 (the URL the app's middleware connects to)
+        url = where.middleware.redis_url
         if url is None:  # built with a client of the app's: use it, as the app does
-            client, _ = where.middleware._new_client()  # noqa: SLF001
-            yield client
+            yield where.middleware.locks
             return
     url = url or os.environ.get("REDIS_URL")
     if not url:
         raise _UsageError("no Redis URL: pass --url or --app, or set REDIS_URL")
-    try:
-        client = await inspect.connect(url)
-    except ValueError as exc:
-        raise _UsageError(f"--url {inspect.redacted(url)}: {exc}") from None
-    try:
-        yield client
-    finally:
-        await client.aclose()
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            locks = await stack.enter_async_context(Locks.from_url(url, prefix=where.prefix))
+        except ValueError as exc:
+            raise _UsageError(f"--url {_redacted(url)}: {exc}") from None
+        yield locks
+
+
+def _redacted(url: str) -> str:
+    """``url`` with its password replaced, fit to print."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    user = parts.username or ""
+    return parts._replace(netloc=f"{user}:***@{host}").geturl()
 
 
 def _app_middleware(spec: str) -> RedisDeduplicationMiddleware:
@@ -510,7 +444,7 @@ def _json_argument(option: str, text: str, kind: type[list[Any] | dict[str, Any]
     return value
 
 
-def _confirmed(locks: Sequence[HeldLock]) -> bool:
+def _confirmed(locks: Sequence[LockInfo]) -> bool:
     """Show ``locks`` and ask, on stderr, whether to release them; read the answer on stdin."""
     _print_table(locks, file=sys.stderr)
     count = len(locks)
@@ -522,7 +456,7 @@ def _confirmed(locks: Sequence[HeldLock]) -> bool:
     return answer.strip().lower() in {"y", "yes"}
 
 
-def _print_table(locks: Sequence[HeldLock], file: Any = None) -> None:  # noqa: ANN401 (a text stream)
+def _print_table(locks: Sequence[LockInfo], file: Any = None) -> None:  # noqa: ANN401 (a text stream)
     if not locks:
         return
     # What the locks record, in columns of their own when any lock has a record
@@ -544,7 +478,7 @@ def _print_table(locks: Sequence[HeldLock], file: Any = None) -> None:  # noqa: 
         print("  ".join([*cells, row[-1]]), file=file)
 
 
-def _record(lock: HeldLock) -> tuple[str, str, str, str]:
+def _record(lock: LockInfo) -> tuple[str, str, str, str]:
     """A lock's record as table cells: task name, policy, age, whether sent."""
     if lock.policy is None:
         return ("-", "-", "-", "-")
@@ -552,12 +486,12 @@ def _record(lock: HeldLock) -> tuple[str, str, str, str]:
     return (lock.task_name or "-", lock.policy, _age(lock), sent)
 
 
-def _print_lock(lock: HeldLock) -> None:
+def _print_lock(lock: LockInfo) -> None:
     lines = [
         ("key", lock.key),
         ("name", lock.name or "-"),
         ("holder task id", lock.holder_task_id or "- (the value is not a lock's)"),
-        ("owner token", lock.owner_token or "-"),
+        ("owner token", lock.owner or "-"),
         ("time left", _time_left(lock)),
     ]
     if lock.policy is not None:  # a lock that records what it is for
@@ -576,20 +510,44 @@ def _print_lock(lock: HeldLock) -> None:
         print(f"{label:<15} {value}")
 
 
-def _age(lock: HeldLock) -> str:
-    return "?" if lock.age_ms is None else f"{lock.age_ms} ms"
+def _age(lock: LockInfo) -> str:
+    return "?" if lock.age is None else f"{round(lock.age * 1000)} ms"
 
 
-def _time_left(lock: HeldLock) -> str:
-    return "?" if lock.ttl_ms is None else f"{lock.ttl_ms} ms"
+def _time_left(lock: LockInfo) -> str:
+    ttl_ms = _ttl_ms(lock)
+    return "?" if ttl_ms is None else f"{ttl_ms} ms"
+
+
+def _ttl_ms(lock: LockInfo) -> int | None:
+    return None if lock.ttl is None else round(lock.ttl * 1000)
+
+
+def _as_dict(lock: LockInfo) -> dict[str, Any]:
+    """The lock as the JSON output shows it (a record's fields only where it has one)."""
+    shown: dict[str, Any] = {
+        "key": lock.key,
+        "name": lock.name,
+        "holder_task_id": lock.holder_task_id,
+        "owner_token": lock.owner,
+        "ttl_ms": _ttl_ms(lock),
+    }
+    if lock.policy is not None:
+        shown |= {
+            "task_name": lock.task_name,
+            "policy": lock.policy,
+            "age_ms": None if lock.age is None else round(lock.age * 1000),
+            "sent": lock.sent,
+        }
+    return shown
 
 
 def _print_json(value: object) -> None:
     print(json.dumps(value, indent=2))
 
 
-def _warn_ttl(reading: Reading) -> None:
-    if reading.ttl_denied:
+def _warn_ttl(locks: Iterable[LockInfo]) -> None:
+    if not all(lock.ttl_readable for lock in locks):
         _say("time left unknown: the Redis user may not run PTTL (grant it +pttl)")
 
 

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeAlias, cast
 
+from taskiq_deduplication.exceptions import InvalidArgumentError
+
 if TYPE_CHECKING:
     from taskiq import TaskiqMessage
 
@@ -150,7 +152,7 @@ class EventSink:
         """Call ``subscriber`` with every event from now on; return what undoes it."""
         if not callable(cast("object", subscriber)):
             msg = f"a lock event subscriber must be callable, not {type(subscriber).__name__}"
-            raise TypeError(msg)
+            raise InvalidArgumentError(msg)
         self._subscribers = (*self._subscribers, subscriber)
         self._update()
 

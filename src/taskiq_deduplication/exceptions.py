@@ -1,9 +1,24 @@
-"""The errors of the library: one base, and the duplicate that callers catch."""
+"""The errors of the library: one base, the duplicate that callers catch, and the rest.
+
+Every error the library raises of its own derives from
+[DeduplicationError][taskiq_deduplication.DeduplicationError], and from the
+standard type that says what went wrong. The errors of Redis itself (redis-py's)
+reach callers as they are; [REDIS_ERRORS][taskiq_deduplication.exceptions.REDIS_ERRORS]
+lists what they can be.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Final
 
+from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+#: The errors that mean "Redis could not be reached or did not answer", or
+#: refused a command. A cluster client that reaches no node raises
+#: ``RedisClusterException``, which is no ``RedisError``.
+REDIS_ERRORS: Final = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
 #: How a refusal, its log and its event name a holder whose send a broker has
 #: not accepted (yet: or never, if its process died mid-send; then the lock
 #: lasts the grace TTL).
@@ -104,8 +119,37 @@ class InvalidSettingError(DeduplicationError, ValueError):
     """An option or label has a value that is not valid; the message names it."""
 
 
+class InvalidArgumentError(DeduplicationError, TypeError):
+    """A function of the library was given a value of the wrong kind; the message says which.
+
+    A subscriber that is not callable, ``Locks.key_for`` on locks that are not
+    a middleware's, a module attribute that is not a taskiq broker.
+    """
+
+
+class UnfingerprintableError(InvalidArgumentError):
+    """A call's arguments cannot be fingerprinted, so ``kiq()`` cannot name its lock.
+
+    Raised from ``kiq()`` for a value that neither JSON nor pydantic can encode,
+    or nesting too deep to be anything but a circular reference. Pass values
+    that taskiq can serialise, or choose the lock key with the
+    ``deduplication_key`` label. A ``TypeError``.
+    """
+
+
+class MissingMiddlewareError(DeduplicationError, LookupError):
+    """A broker was expected to carry a ``RedisDeduplicationMiddleware`` and does not."""
+
+
 class StartupError(DeduplicationError, ConnectionError):
     """The middleware could not reach Redis when the broker started."""
+
+
+class WorkerStartError(DeduplicationError, RuntimeError):
+    """A ``taskiq worker`` that the pytest plugin started did not begin listening.
+
+    The message ends with the last lines of the worker's output.
+    """
 
 
 class NoLockError(DeduplicationError, LookupError):
@@ -114,4 +158,47 @@ class NoLockError(DeduplicationError, LookupError):
     It runs without one: deduplication is off for it, it was sent fail-open or
     by a sender without this middleware, or the fence it asks for was not drawn
     (its sender did not know the task takes a ``TaskLock``).
+    """
+
+
+# The errors of a lock call on its way to Redis: ``kiq()`` raises them (unless
+# ``fail_open`` sends the task without a lock), as do a worker's lock calls.
+
+
+class CallTimeoutError(DeduplicationError, RedisTimeoutError):
+    """A lock call got no reply by its deadline (the client's ``socket_timeout``).
+
+    A ``redis.exceptions.TimeoutError``: code that catches redis-py's timeouts
+    catches it too.
+
+    Attributes:
+        sent: Whether the call was ever written to Redis. One that was not
+            cannot have run there, so it needs no undoing.
+    """
+
+    def __init__(self, message: str, *, sent: bool) -> None:
+        """Describe the timeout; ``sent`` says whether the call went out."""
+        super().__init__(message)
+        self.sent = sent
+
+
+class BacklogFullError(DeduplicationError, RedisError):
+    """So many lock calls wait for Redis already that a new one fails at once.
+
+    At most 10,000 lock calls wait in a process (Redis is down or hangs);
+    a ``redis.exceptions.RedisError``.
+    """
+
+
+class PipelineClosedError(DeduplicationError, RedisError):
+    """The lock pipeline was closed (the middleware shut down) before the call ended.
+
+    A ``redis.exceptions.RedisError``.
+    """
+
+
+class UnencodableCallError(DeduplicationError, ValueError):
+    """A lock call carries text that the Redis client cannot encode (a lone surrogate).
+
+    A ``ValueError``: a task name, key or label value that is not valid text.
     """

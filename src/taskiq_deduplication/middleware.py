@@ -3,10 +3,11 @@
 Each hook hands its work to the step it belongs to: `_send.py` takes the lock
 of a send and gives it its full TTL once the broker has the message;
 `_run.py` does what the lock's policy says at a run's start and end. The
-mechanics live next door: `_labels.py` reads the labels and `_options.py` the
-options, `_fingerprint.py`, `_keys.py` and `_formats.py` make the key and the
-value, `_store.py` and `_pipeline.py` talk to Redis, `_heartbeat.py` refreshes
-locks, `_execution.py` follows a run and `_loops.py` keeps a state per event loop.
+mechanics live next door: `_settings.py` reads the options and the labels,
+`_fingerprint.py`, `_keys.py` and `_formats.py` make the key and the value,
+`_store.py` and `_pipeline.py` talk to Redis, `_heartbeat.py` refreshes locks,
+`_execution.py` follows a run and `_loops.py` keeps a state per event loop
+(`docs/how-it-works.md` maps them all).
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ from taskiq_deduplication import _settings as settings
 from taskiq_deduplication import _tracing as tracing
 from taskiq_deduplication._client import check_connection, client_from_url
 from taskiq_deduplication._execution import Executions, follow_runs
+from taskiq_deduplication._formats import DEFAULT_PREFIX, DEFAULT_UNTIL
 from taskiq_deduplication._loops import LoopStates, register_states
 from taskiq_deduplication._metrics import Metrics, process_metrics
 from taskiq_deduplication._pending import PendingSends
 from taskiq_deduplication._run import Runs
 from taskiq_deduplication._send import Sends
-from taskiq_deduplication._store import REDIS_ERRORS
 from taskiq_deduplication.events import EventSink, Subscriber
-from taskiq_deduplication.exceptions import StartupError
+from taskiq_deduplication.exceptions import REDIS_ERRORS, InvalidSettingError, StartupError
+from taskiq_deduplication.locks import Locks
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -70,14 +72,14 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         *,
         default_deduplication: bool = True,
         default_ttl: int = 300,
-        key_prefix: str = settings.DEFAULT_PREFIX,
+        key_prefix: str = DEFAULT_PREFIX,
         startup_retries: int = 3,
         startup_retry_delay: float = 1.0,
         heartbeat: bool = True,
         heartbeat_interval: float | None = None,
         fail_open: bool = False,
         running_ttl: int | None = None,
-        default_until: str = "finished",
+        default_until: str = DEFAULT_UNTIL,
         default_success_ttl: int = 0,
         client: Redis | RedisCluster | None = None,
         metrics: bool = True,
@@ -94,7 +96,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 ``deduplication`` label says otherwise.
             default_ttl: Lock TTL in seconds, unless the ``deduplication_ttl``
                 label sets one.
-            key_prefix: Prefix of every lock key.
+            key_prefix: Prefix of every lock key: ``"taskiq:deduplication"`` unless set.
             startup_retries: Connection attempts when the broker starts.
             startup_retry_delay: Seconds before the second attempt, doubled
                 before each one after it.
@@ -110,8 +112,8 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 full TTL throughout. The ``deduplication_running_ttl`` label
                 sets it per task; it needs the heartbeat.
             default_until: How long a call counts as a duplicate, unless the
-                ``deduplication_until`` label says: ``"finished"`` (while its
-                task is queued or running), ``"started"`` (while it is queued)
+                ``deduplication_until`` label says: ``"finished"`` (the default:
+                while its task is queued or running), ``"started"`` (while it is queued)
                 or ``"expired"`` (for the TTL from the send, however the run
                 ends).
             default_success_ttl: Seconds a lock of the ``"finished"`` policy
@@ -177,6 +179,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         self._states = LoopStates(self._new_client, self._events, lambda: self._metrics)
         register_states(self, self._states)
         self._executions = Executions(f"taskiq_deduplication_execution_{id(self):x}")
+        follow_runs(self, self._executions)
         pending = PendingSends()
         self._runs = Runs(self, self._states, self._events, self._executions, pending)
         self._sends = Sends(
@@ -203,9 +206,40 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             A function that ends the subscription.
 
         Raises:
-            TypeError: ``subscriber`` is not callable.
+            InvalidArgumentError: ``subscriber`` is not callable (a ``TypeError``).
         """
         return self._events.subscribe(subscriber)
+
+    @property
+    def subscribers(self) -> tuple[Subscriber, ...]:
+        """Who ``subscribe()`` subscribed and is still subscribed, in order.
+
+        The middleware's own Prometheus recorder is not among them: another
+        middleware that takes these subscribers over records its own metrics.
+        """
+        own = self._metrics.record if self._metrics is not None else None
+        return tuple(s for s in self._events.subscribers if s != own)
+
+    @property
+    def redis_url(self) -> str | None:
+        """The Redis URL the middleware connects to; ``None`` if it was given a ``client``."""
+        return self._url
+
+    @property
+    def locks(self) -> Locks:
+        """The locks of this middleware, for tools: [Locks][taskiq_deduplication.Locks].
+
+        Bound to its ``key_prefix`` and to the client of the event loop it is
+        used in (the middleware's own, made on first use as a send would), and
+        able to compute the key a call takes
+        ([key_for][taskiq_deduplication.Locks.key_for]) with the middleware's
+        options, as ``kiq`` does.
+        """
+
+        async def client() -> RedisClient:
+            return (self._states.get() or await self._states.current()).client
+
+        return Locks(client, prefix=self.key_prefix, key_of=self._send_key)
 
     # Startup and shutdown
 
@@ -213,7 +247,8 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         """Register on ``broker``; taskiq calls this from ``with_middlewares``.
 
         Raises:
-            ValueError: The middleware is registered on another broker already.
+            InvalidSettingError: The middleware is registered on another broker
+                already (a ``ValueError``).
                 Shutting either broker down would stop the locks of the other's
                 running tasks; give each broker a middleware of its own (with the
                 same ``redis_url`` and ``key_prefix`` they share their locks).
@@ -225,10 +260,9 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 f"{type(current).__name__} already; give each broker a middleware of "
                 "its own (middlewares with the same redis_url and key_prefix share locks)"
             )
-            raise ValueError(msg)
+            raise InvalidSettingError(msg)
         if current is None:
             _watch_kick(broker, self._sends.refused)
-            follow_runs(broker, self._executions)
         super().set_broker(broker)
 
     async def startup(self) -> None:
@@ -294,7 +328,8 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         Raises:
             DuplicateTaskError: Another send holds the lock.
             ValueError: A deduplication label has an invalid value.
-            TypeError: The arguments cannot be fingerprinted.
+            UnfingerprintableError: The arguments cannot be fingerprinted (a
+                ``TypeError``).
             redis.exceptions.RedisError: Redis failed and ``fail_open`` is off (a
                 cluster client that reaches no node raises
                 ``redis.exceptions.RedisClusterException`` instead).

@@ -34,9 +34,9 @@ from taskiq.exceptions import ScheduledTaskCancelledError
 from taskiq_deduplication import _refusals
 from taskiq_deduplication._formats import holder_task_id, new_token
 from taskiq_deduplication._loops import states_of
-from taskiq_deduplication._store import REDIS_ERRORS, Lock
+from taskiq_deduplication._store import Lock
 from taskiq_deduplication._ticks import Tick, cron_minute, is_one_off, tick_of
-from taskiq_deduplication.exceptions import DuplicateTaskError
+from taskiq_deduplication.exceptions import REDIS_ERRORS, DuplicateTaskError
 from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
 
 if TYPE_CHECKING:

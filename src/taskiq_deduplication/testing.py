@@ -26,8 +26,11 @@ Fixtures:
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import importlib
+import inspect
 import logging
 import os
 import shutil
@@ -42,18 +45,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import pytest
-import redis
-import redis.asyncio
 from taskiq import AsyncBroker
-from taskiq.kicker import AsyncKicker
 
-from taskiq_deduplication._formats import (
-    belonging_patterns,
-    holder_task_id,
-    key_pattern,
-    namespace_patterns,
+from taskiq_deduplication.exceptions import (
+    InvalidArgumentError,
+    MissingMiddlewareError,
+    WorkerStartError,
 )
-from taskiq_deduplication._keys import call_key
+from taskiq_deduplication.locks import Locks
 from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
 
 if TYPE_CHECKING:
@@ -75,20 +74,12 @@ URL_ENV: Final = "REDIS_URL"
 # What a worker started by Deduplication.start_worker reads in worker_broker().
 _BROKER_ENV: Final = "TASKIQ_DEDUP_TEST_BROKER"
 _PREFIX_ENV: Final = "TASKIQ_DEDUP_TEST_KEY_PREFIX"
-#: The middleware options that a test middleware copies from the application's.
-_COPIED_OPTIONS: Final = (
-    "default_deduplication",
-    "default_ttl",
-    "startup_retries",
-    "startup_retry_delay",
-    "heartbeat",
-    "heartbeat_interval",
-    "fail_open",
-    "running_ttl",
-    "default_until",
-    "default_success_ttl",
-    "default_exclusive",
-    "metrics",
+#: The middleware options that a test middleware copies from the application's:
+#: every option but where Redis is, each kept as an attribute of the same name.
+_COPIED_OPTIONS: Final = tuple(
+    name
+    for name in inspect.signature(RedisDeduplicationMiddleware).parameters
+    if name not in {"redis_url", "client", "key_prefix"}
 )
 _WORKER_START_TIMEOUT: Final = 30.0
 _WORKER_STOP_TIMEOUT: Final = 1.0
@@ -293,12 +284,7 @@ class Deduplication:
             LookupError: The call's broker has no deduplication middleware.
             ValueError: A deduplication label is invalid, as ``kiq`` would say.
         """
-        middleware = _middleware_of(call.broker)
-        # The message exactly as kiq() builds it: labels turned into strings,
-        # pydantic models and dataclasses into dicts.
-        kicker: AsyncKicker[..., Any] = AsyncKicker(call.task_name, call.broker, dict(call.labels))
-        message = kicker._prepare_message(*args, **kwargs)  # noqa: SLF001 (kiq's own message)
-        return call_key(middleware, message.task_name, message.args, message.kwargs, message.labels)
+        return _middleware_of(call.broker).locks.key_for(call, *args, **kwargs)
 
     async def holder(self, call: _Call, *args: object, **kwargs: object) -> str | None:
         """The ``task_id`` that holds the lock of ``call(*args, **kwargs)``, if any.
@@ -308,9 +294,9 @@ class Deduplication:
         key = self.key(call, *args, **kwargs)
         if key is None:
             return None
-        async with redis.asyncio.Redis.from_url(self.redis_url, decode_responses=True) as client:
-            value = await client.get(key)
-        return None if value is None else holder_task_id(_text(value))
+        async with self._locks() as locks:
+            lock = await locks.get(key)
+        return None if lock is None else lock.holder_task_id
 
     async def is_locked(self, call: _Call, *args: object, **kwargs: object) -> bool:
         """Whether the lock of ``call(*args, **kwargs)`` is held now.
@@ -320,34 +306,29 @@ class Deduplication:
         key = self.key(call, *args, **kwargs)
         if key is None:
             return False
-        async with redis.asyncio.Redis.from_url(self.redis_url) as client:
-            return bool(await client.exists(key))
+        async with self._locks() as locks:
+            return await locks.get(key) is not None
 
     async def locks(self) -> dict[str, str | None]:
         """Every lock held under this test's prefix: its key and its holder's ``task_id``."""
-        async with redis.asyncio.Redis.from_url(self.redis_url, decode_responses=True) as client:
-            keys = [key async for key in client.scan_iter(match=key_pattern(self.key_prefix))]
-            values = await client.mget(keys) if keys else []
-        return {
-            _text(key): holder_task_id(_text(value))
-            for key, value in zip(keys, values, strict=True)
-            if value is not None
-        }
+        async with self._locks() as locks:
+            return {lock.key: lock.holder_task_id async for lock in locks.scan()}
 
     async def release_all(self) -> int:
-        """Delete every lock under this test's prefix; return how many there were.
+        """Release every lock under this test's prefix; return how many there were.
 
-        What belongs to a lock goes with it: the arguments merged into a
+        Each as [Locks.release][taskiq_deduplication.Locks.release] does, so
+        what belongs to a lock goes with it: the arguments merged into a
         queued task. The fence counter stays, so fences still only grow.
         """
-        locks = key_pattern(self.key_prefix)
-        released = 0
-        async with redis.asyncio.Redis.from_url(self.redis_url) as client:
-            for pattern in belonging_patterns(self.key_prefix):
-                keys = [key async for key in client.scan_iter(match=pattern)]
-                deleted = int(await client.delete(*keys)) if keys else 0
-                released += deleted if pattern == locks else 0
-        return released
+        async with self._locks() as locks:
+            held = [lock async for lock in locks.scan()]
+            released = await asyncio.gather(*(locks.release(lock) for lock in held))
+        return sum(released)
+
+    def _locks(self) -> Locks:
+        """The locks under this test's prefix, with a client of their own."""
+        return Locks.from_url(self.redis_url, prefix=self.key_prefix)
 
     # Workers
 
@@ -402,7 +383,7 @@ class Deduplication:
             if process.poll() is not None or time.monotonic() > deadline:
                 worker.stop()
                 msg = f"taskiq worker {broker} did not start:\n{worker.log()[-3000:]}"
-                raise RuntimeError(msg)
+                raise WorkerStartError(msg)
             time.sleep(0.05)
         return worker
 
@@ -416,14 +397,16 @@ class Deduplication:
                 broker.middlewares[:] = middlewares
             self._installed.clear()
             # Every key of the prefix: the locks, and the keys beside them (merged
-            # arguments, the fence counter), whatever kinds there are.
-            with redis.Redis.from_url(self.redis_url) as client:
-                for pattern in namespace_patterns(self.key_prefix):
-                    keys = list(client.scan_iter(match=pattern))
-                    if keys:
-                        client.delete(*keys)
+            # arguments, the fence counter), whatever kinds there are. In a thread
+            # of its own: the test's event loop, if any, is left as it is.
+            with concurrent.futures.ThreadPoolExecutor(1) as thread:
+                thread.submit(asyncio.run, self._purge()).result()
             if self._workdir is not None:
                 shutil.rmtree(self._workdir, ignore_errors=True)
+
+    async def _purge(self) -> None:
+        async with self._locks() as locks:
+            await locks.purge()
 
 
 @pytest.fixture
@@ -455,7 +438,7 @@ def worker_broker() -> AsyncBroker:
     broker = getattr(importlib.import_module(module_name), variable or "broker")
     if not isinstance(broker, AsyncBroker):
         msg = f"{os.environ[_BROKER_ENV]} is not a taskiq broker"
-        raise TypeError(msg)
+        raise InvalidArgumentError(msg)
     _install(broker, os.environ[URL_ENV], os.environ[_PREFIX_ENV])
     return broker
 
@@ -463,17 +446,12 @@ def worker_broker() -> AsyncBroker:
 # The mechanics
 
 
-def _text(value: bytes | str) -> str:
-    # The client decodes its replies; redis-py's types do not know it.
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def _middleware_of(broker: AsyncBroker) -> RedisDeduplicationMiddleware:
     for middleware in broker.middlewares:
         if isinstance(middleware, RedisDeduplicationMiddleware):
             return middleware
     msg = f"{type(broker).__name__} has no RedisDeduplicationMiddleware"
-    raise LookupError(msg)
+    raise MissingMiddlewareError(msg)
 
 
 def _install(
@@ -516,7 +494,5 @@ def _adopt_subscribers(
     The metrics recorder of a middleware that started already is its own: the
     new middleware subscribes one of its own when the broker starts.
     """
-    own = original._metrics.record if original._metrics is not None else None  # noqa: SLF001 (the package's own middleware)
-    for subscriber in original._events.subscribers:  # noqa: SLF001
-        if subscriber != own:
-            middleware.subscribe(subscriber)
+    for subscriber in original.subscribers:
+        middleware.subscribe(subscriber)

@@ -42,6 +42,8 @@ _OWNERS = (
     ("taskiq_deduplication/_pipeline.py", "dedup: lock pipeline"),
     ("taskiq_deduplication/_heartbeat.py", "dedup: heartbeat loop"),
     ("taskiq_deduplication/middleware.py", "dedup: middleware hooks"),
+    ("taskiq_deduplication/_send.py", "dedup: middleware hooks"),
+    ("taskiq_deduplication/_run.py", "dedup: middleware hooks"),
     ("taskiq_deduplication/", "dedup: middleware hooks"),
     ("redis/", "redis-py: pack commands, parse replies, connection"),
     ("taskiq_redis/", "taskiq-redis"),

@@ -228,6 +228,16 @@ class Reports:
         """Note that a body of ``tag`` has ended (whatever its outcome)."""
         await self.redis.decr(self.config.key("live", tag))
 
+    async def gated_run(self, kind: str, tag: str, context: Context) -> int:
+        """A body of ``tag``: counted while it runs, until its gate opens; the run's number."""
+        await self.enter(tag)
+        try:
+            run = await self.started(kind, tag, context)
+            await self.pass_gate(tag)
+        finally:
+            await self.leave(tag)
+        return run
+
     async def pass_gate(self, tag: str) -> None:
         """Wait for the test to let this run of ``tag`` finish."""
         token = await self.redis.blpop([self.config.key("gate", tag)], timeout=GATE_TIMEOUT)
@@ -279,21 +289,11 @@ def register_tasks(broker: AsyncBroker, config: Config) -> Tasks:
         locale: str = "",
         context: Context = TaskiqDepends(),
     ) -> dict[str, Any]:
-        await reports.enter(tag)
-        try:
-            run = await reports.started("hold", tag, context)
-            await reports.pass_gate(tag)
-        finally:
-            await reports.leave(tag)
+        run = await reports.gated_run("hold", tag, context)
         return {"tag": tag, "run": run, "pid": os.getpid()}
 
     async def flaky(tag: str, failures: int, context: Context = TaskiqDepends()) -> str:
-        await reports.enter(tag)
-        try:
-            run = await reports.started("flaky", tag, context)
-            await reports.pass_gate(tag)
-        finally:
-            await reports.leave(tag)
+        run = await reports.gated_run("flaky", tag, context)
         if run <= failures:
             msg = f"run {run} of {tag!r} fails on purpose"
             raise RuntimeError(msg)

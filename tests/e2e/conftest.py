@@ -23,7 +23,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -103,19 +103,22 @@ def is_alive(pid: int) -> bool:
     return _state(pid) not in {None, "Z", "X"}
 
 
-def group_members(pgid: int) -> list[int]:
-    """The live processes of process group ``pgid``."""
-    members = []
+def live_processes() -> Iterator[tuple[Path, int]]:
+    """Every live process (not a zombie): its ``/proc`` entry and its process group."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            if fields[0] not in {"Z", "X"}:
+                yield entry, int(fields[2])
+        except (OSError, IndexError, ValueError):
             continue
-        if int(fields[2]) == pgid and fields[0] not in {"Z", "X"}:
-            members.append(int(entry.name))
-    return members
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid``."""
+    return [int(entry.name) for entry, group in live_processes() if group == pgid]
 
 
 @dataclass

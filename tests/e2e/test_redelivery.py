@@ -36,11 +36,21 @@ WATCH = 3.0
 RETRY_SETUPS = ["smart-first", "smart-last", "simple-first", "simple-last"]
 
 
+#: The brokers that deliver a running task's message again.
+REDELIVERING = ["redis-stream", "nats"]
+
+
 def _redelivering(broker: str) -> dict[str, Any]:
     """The ``launch`` options of a broker that delivers a running task's message again."""
     if broker == "redis-stream":
         return {"broker": broker, "idle_timeout": IDLE_TIMEOUT_MS}
     return {"broker": broker, "ack_wait": ACK_WAIT}
+
+
+@pytest.fixture(params=REDELIVERING)
+def broker(request: pytest.FixtureRequest) -> str:
+    """Each broker that delivers a running task's message again."""
+    return str(request.param)
 
 
 async def overlapping(app: App, tag: str) -> int:
@@ -143,7 +153,6 @@ async def queue_is_empty(app: App) -> bool:
 # A copy of a run that is still going
 
 
-@pytest.mark.parametrize("broker", ["redis-stream", "nats"])
 async def test_copy_of_a_running_task_waits_for_it_and_is_skipped_after_its_success(
     launch: Launch, broker: str
 ) -> None:
@@ -174,7 +183,6 @@ async def test_copy_of_a_running_task_waits_for_it_and_is_skipped_after_its_succ
     await app.wait_no_locks("the success kept for the copies that waited to expire")
 
 
-@pytest.mark.parametrize("broker", ["redis-stream", "nats"])
 async def test_exclusive_false_lets_a_copy_run_beside_the_first_as_before(
     launch: Launch, broker: str
 ) -> None:
@@ -261,7 +269,7 @@ async def test_copy_of_a_remembered_success_does_not_run_again_after_a_worker_di
 
 
 @pytest.mark.parametrize("retry", RETRY_SETUPS)
-@pytest.mark.parametrize("broker", ["redis-stream", "nats"])
+@pytest.mark.parametrize("broker", REDELIVERING)
 async def test_copy_of_a_failed_attempt_never_overlaps_its_retry(
     launch: Launch, broker: str, retry: str
 ) -> None:

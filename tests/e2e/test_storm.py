@@ -19,8 +19,12 @@ CLIENTS = 8
 SENDS = 100
 
 
-async def _storm(app: App, mode: str) -> list[dict[str, list[Any]]]:
-    """Run the storm; return what each client process saw."""
+async def _storm(
+    launch: Launch, broker_kind: str, mode: str
+) -> tuple[App, list[dict[str, list[Any]]]]:
+    """Launch the app and its worker, run the storm; return the app and what each client saw."""
+    app = await launch(broker=broker_kind)
+    app.start_worker()
     clients = [
         app.start_client(f"storm-{i}", "storm", str(i), str(SENDS), mode) for i in range(CLIENTS)
     ]
@@ -41,15 +45,13 @@ async def _storm(app: App, mode: str) -> list[dict[str, list[Any]]]:
     reports = await app.wait_until(all_reported, "every storm client to report", timeout=60)
     for client in clients:
         assert client.wait(timeout=20) == 0, client.log()
-    return [json.loads(report) for report in reports]
+    return app, [json.loads(report) for report in reports]
 
 
 async def test_storm_of_identical_sends_accepts_one_and_runs_it_once(
     launch: Launch, broker_kind: str
 ) -> None:
-    app = await launch(broker=broker_kind)
-    app.start_worker()
-    reports = await _storm(app, "same")
+    app, reports = await _storm(launch, broker_kind, "same")
 
     assert [error for report in reports for error in report["errors"]] == []
     accepted = [task_id for report in reports for task_id in report["accepted"]]
@@ -68,9 +70,7 @@ async def test_storm_of_identical_sends_accepts_one_and_runs_it_once(
 async def test_storm_of_distinct_sends_accepts_all_and_runs_each_once(
     launch: Launch, broker_kind: str
 ) -> None:
-    app = await launch(broker=broker_kind)
-    app.start_worker()
-    reports = await _storm(app, "distinct")
+    app, reports = await _storm(launch, broker_kind, "distinct")
 
     assert [error for report in reports for error in report["errors"]] == []
     assert [holder for report in reports for holder in report["holders"]] == []

@@ -17,9 +17,8 @@ from typing import Any
 import pytest
 from taskiq import TaskiqMiddleware
 
-from taskiq_deduplication import RedisDeduplicationMiddleware
 from tests._server import Server
-from tests.conftest import RECOVERY_PROPERTY
+from tests.conftest import RECOVERY_PROPERTY, MiddlewareFactory, owned
 from tests.faults._harness import LogRecords, RecordingBroker
 from tests.faults._proxy import Proxy
 
@@ -45,18 +44,16 @@ async def proxy(server: Server) -> AsyncIterator[Proxy]:
 @pytest.fixture
 def logs() -> Iterator[LogRecords]:
     """Every record the library logs during the test, down to DEBUG."""
-    records = LogRecords().attach()
-    try:
-        yield records
-    finally:
-        records.detach()
+    yield from owned(LogRecords().attach(), LogRecords.detach)
 
 
 BrokerMaker = Callable[..., Awaitable[RecordingBroker]]
 
 
 @pytest.fixture
-async def make_recording_broker(prefix: str) -> AsyncIterator[BrokerMaker]:
+async def make_recording_broker(
+    make_middleware: MiddlewareFactory,
+) -> AsyncIterator[BrokerMaker]:
     """Build started recording brokers with one deduplication middleware each.
 
     ``await make_recording_broker(url, hold=..., kick_error=..., on_kick=..., start=True,
@@ -75,9 +72,8 @@ async def make_recording_broker(prefix: str) -> AsyncIterator[BrokerMaker]:
         extra: tuple[TaskiqMiddleware, ...] = (),
         **options: Any,
     ) -> RecordingBroker:
-        options.setdefault("key_prefix", prefix)
         broker = RecordingBroker(hold=hold, kick_error=kick_error, on_kick=on_kick)
-        broker.with_middlewares(*extra, RedisDeduplicationMiddleware(redis_url=url, **options))
+        broker.with_middlewares(*extra, make_middleware(redis_url=url, **options))
         brokers.append(broker)
         if start:
             await broker.startup()
@@ -114,8 +110,12 @@ async def _stop_tasks(broker: RecordingBroker) -> None:
         await asyncio.wait(pending, timeout=_TASK_GRACE)
 
 
+#: The ``recovery`` fixture: ``recovery(what, seconds)`` records a recovery time.
+Recovery = Callable[[str, float], None]
+
+
 @pytest.fixture
-def recovery(request: pytest.FixtureRequest) -> Callable[[str, float], None]:
+def recovery(request: pytest.FixtureRequest) -> Recovery:
     """Record how long the middleware took to recover from the fault of this test.
 
     The measurement travels with the test's report (as a user property), so that

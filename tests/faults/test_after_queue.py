@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
 import pytest
 
 from taskiq_deduplication import DuplicateTaskError
 from tests._server import Server
+from tests._tasks import echo_task, held_task
 from tests.faults._harness import GRACE_TTL_MS, LogRecords, admin, lock_keys, wait_until
-from tests.faults.conftest import FAST, BrokerMaker
+from tests.faults.conftest import FAST, BrokerMaker, Recovery
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -20,10 +20,7 @@ pytestmark = pytest.mark.timeout(30)
 
 
 async def test_redis_lost_right_after_the_send_is_logged_and_the_result_delivered(
-    make_recording_broker: BrokerMaker,
-    server: Server,
-    logs: LogRecords,
-    recovery: Callable[[str, float], None],
+    make_recording_broker: BrokerMaker, server: Server, logs: LogRecords, recovery: Recovery
 ) -> None:
     async def redis_dies() -> None:  # the broker has the message; Redis goes away
         server.stop()
@@ -67,14 +64,8 @@ async def test_redis_lost_while_the_task_runs_is_logged_and_the_result_delivered
     broker = await make_recording_broker(
         f"{server.url}?{FAST}", default_ttl=3, heartbeat_interval=0.3
     )
-    started = asyncio.Event()
-    finish = asyncio.Event()
-
-    @broker.task
-    async def work(x: int) -> int:
-        started.set()
-        await finish.wait()
-        return x
+    work, gate = held_task(broker)
+    started, finish = gate.started, gate.finish
 
     handle = await work.kiq(x=1)
     await asyncio.wait_for(started.wait(), 5)
@@ -96,14 +87,8 @@ async def test_redis_hung_while_the_task_runs_lets_the_lock_expire_on_its_ttl(
     broker = await make_recording_broker(
         f"{server.url}?{FAST}", default_ttl=3, heartbeat_interval=0.3
     )
-    started = asyncio.Event()
-    finish = asyncio.Event()
-
-    @broker.task
-    async def work(x: int) -> int:
-        started.set()
-        await finish.wait()
-        return x
+    work, gate = held_task(broker)
+    started, finish = gate.started, gate.finish
 
     handle = await work.kiq(x=1)
     await asyncio.wait_for(started.wait(), 5)
@@ -133,17 +118,11 @@ async def test_heartbeat_takes_the_lock_back_after_a_restart(
     server: Server,
     prefix: str,
     logs: LogRecords,
-    recovery: Callable[[str, float], None],
+    recovery: Recovery,
 ) -> None:
     broker = await make_recording_broker(f"{server.url}?{FAST}", default_ttl=3)  # refresh every 1 s
-    started = asyncio.Event()
-    finish = asyncio.Event()
-
-    @broker.task
-    async def work(x: int) -> int:
-        started.set()
-        await finish.wait()
-        return x
+    work, gate = held_task(broker)
+    started, finish = gate.started, gate.finish
 
     handle = await work.kiq(x=1)
     await asyncio.wait_for(started.wait(), 5)
@@ -171,14 +150,8 @@ async def test_reassert_at_execution_takes_back_a_lock_lost_while_queued(
     make_recording_broker: BrokerMaker, server: Server, prefix: str, logs: LogRecords
 ) -> None:
     broker = await make_recording_broker(f"{server.url}?{FAST}", hold=True, default_ttl=30)
-    running = asyncio.Event()
-    finish = asyncio.Event()
-
-    @broker.task
-    async def work(x: int) -> int:
-        running.set()
-        await finish.wait()
-        return x
+    work, gate = held_task(broker)
+    running, finish = gate.started, gate.finish
 
     handle = await work.kiq(x=1)
     await asyncio.to_thread(server.restart)  # the queued task's lock is lost
@@ -202,9 +175,7 @@ async def test_a_task_whose_lock_another_send_took_while_queued_leaves_it_alone(
         f"{server.url}?{FAST}", hold=True, default_ttl=30, default_exclusive=False
     )
 
-    @broker.task
-    async def work(x: int) -> int:
-        return x
+    work = echo_task(broker)
 
     first = await work.kiq(x=1)
     await asyncio.to_thread(server.restart)
@@ -229,14 +200,8 @@ async def test_heartbeat_gives_up_a_lock_another_send_took_after_a_restart(
     broker = await make_recording_broker(
         f"{server.url}?{FAST}", default_ttl=6, heartbeat_interval=2
     )
-    started = asyncio.Event()
-    finish = asyncio.Event()
-
-    @broker.task
-    async def work(x: int) -> int:
-        started.set()
-        await finish.wait()
-        return x
+    work, gate = held_task(broker)
+    started, finish = gate.started, gate.finish
 
     first = await work.kiq(x=1)
     await asyncio.wait_for(started.wait(), 5)
@@ -279,9 +244,7 @@ async def test_shutdown_with_redis_gone_returns_within_the_timeout(
 
     broker = await make_recording_broker(f"{server.url}?{FAST}", on_kick=redis_goes, default_ttl=30)
 
-    @broker.task
-    async def work(x: int) -> int:
-        return x
+    work = echo_task(broker)
 
     broker.hold = True  # nothing runs: only the send's own commands are left
     try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,6 +17,7 @@ import redis.exceptions
 from taskiq_deduplication import DuplicateTaskError
 from tests._brokers import holds_no_lock
 from tests._server import Server
+from tests._tasks import echo_task, held_task, warmed_echo
 from tests.faults._harness import (
     GRACE_TTL_MS,
     LOCK_KEY_LABEL,
@@ -28,23 +28,17 @@ from tests.faults._harness import (
     wait_until,
 )
 from tests.faults._proxy import Proxy
-from tests.faults.conftest import FAST, BrokerMaker
+from tests.faults.conftest import FAST, BrokerMaker, Recovery
 
 pytestmark = pytest.mark.timeout(30)
 
 
 async def test_a_cut_at_send_fails_the_kiq_and_recovers_once_restored(
-    make_recording_broker: BrokerMaker,
-    proxy: Proxy,
-    recovery: Callable[[str, float], None],
+    make_recording_broker: BrokerMaker, proxy: Proxy, recovery: Recovery
 ) -> None:
     broker = await make_recording_broker(proxy.url(FAST))
 
-    @broker.task
-    async def work(x: int) -> int:
-        return x
-
-    await (await work.kiq(x=0)).wait_result(timeout=5)
+    work = await warmed_echo(broker)  # a warm connection
     await proxy.cut()
     for attempt in range(3):  # refused for a while, each attempt fails fast
         started = time.monotonic()
@@ -64,12 +58,8 @@ async def test_a_cut_at_send_with_fail_open_sends_without_a_lock(
     make_recording_broker: BrokerMaker, proxy: Proxy, server: Server, prefix: str, logs: LogRecords
 ) -> None:
     broker = await make_recording_broker(proxy.url(FAST), fail_open=True)
-    finish = asyncio.Event()
-
-    @broker.task
-    async def work(x: int) -> int:
-        await finish.wait()
-        return x
+    work, gate = held_task(broker)
+    finish = gate.finish
 
     await proxy.cut()
     unlocked = await work.kiq(x=1)
@@ -92,18 +82,11 @@ async def test_a_cut_at_send_with_fail_open_sends_without_a_lock(
 
 @pytest.mark.parametrize("fail_open", [False, True])
 async def test_a_black_holed_path_fails_or_sends_within_the_timeout(
-    make_recording_broker: BrokerMaker,
-    proxy: Proxy,
-    fail_open: bool,
-    recovery: Callable[[str, float], None],
+    make_recording_broker: BrokerMaker, proxy: Proxy, fail_open: bool, recovery: Recovery
 ) -> None:
     broker = await make_recording_broker(proxy.url(FAST), fail_open=fail_open)
 
-    @broker.task
-    async def work(x: int) -> int:
-        return x
-
-    await (await work.kiq(x=0)).wait_result(timeout=5)
+    work = await warmed_echo(broker)  # a warm connection
     proxy.hang()
     started = time.monotonic()
     if fail_open:
@@ -132,7 +115,7 @@ async def test_a_cut_after_the_send_is_swallowed_and_the_heartbeat_recovers(
     server: Server,
     prefix: str,
     logs: LogRecords,
-    recovery: Callable[[str, float], None],
+    recovery: Recovery,
 ) -> None:
     # Not exclusive: this run begins while Redis is cut off, and an exclusive
     # one would wait for Redis (tests/test_exclusive.py) instead of beginning.
@@ -143,14 +126,8 @@ async def test_a_cut_after_the_send_is_swallowed_and_the_heartbeat_recovers(
         heartbeat_interval=0.3,
         default_exclusive=False,
     )
-    started = asyncio.Event()
-    finish = asyncio.Event()
-
-    @broker.task
-    async def work(x: int) -> int:
-        started.set()
-        await finish.wait()
-        return x
+    work, gate = held_task(broker)
+    started, finish = gate.started, gate.finish
 
     handle = await work.kiq(x=1)  # the extension to the full TTL fails: not raised
     await asyncio.wait_for(started.wait(), 5)
@@ -179,17 +156,11 @@ async def test_a_cut_over_the_release_lets_the_lock_expire_on_its_ttl(
     server: Server,
     prefix: str,
     logs: LogRecords,
-    recovery: Callable[[str, float], None],
+    recovery: Recovery,
 ) -> None:
     broker = await make_recording_broker(proxy.url(FAST), default_ttl=2)
-    started = asyncio.Event()
-    finish = asyncio.Event()
-
-    @broker.task
-    async def work(x: int) -> int:
-        started.set()
-        await finish.wait()
-        return x
+    work, gate = held_task(broker)
+    started, finish = gate.started, gate.finish
 
     handle = await work.kiq(x=1)
     await asyncio.wait_for(started.wait(), 5)
@@ -229,9 +200,7 @@ async def test_a_cut_noticed_before_the_extension_after_the_send_is_swallowed(
         proxy.url(FAST), on_kick=cut_and_notice, default_ttl=30, default_exclusive=False
     )
 
-    @broker.task
-    async def work(x: int) -> int:
-        return x
+    work = echo_task(broker)
 
     handle = await work.kiq(x=1)  # queued: whatever fails now must not raise
     assert len(broker.sent) == 1

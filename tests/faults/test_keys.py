@@ -13,7 +13,7 @@ import pytest
 from taskiq_deduplication import DuplicateTaskError
 from taskiq_deduplication._fingerprint import call_fingerprint
 from tests._server import Server
-from tests.faults._harness import admin
+from tests.faults._harness import RecordingBroker, admin
 from tests.faults.conftest import BrokerMaker
 
 pytestmark = pytest.mark.timeout(20)
@@ -25,11 +25,18 @@ EXPLICIT_KEYS = ["user:42", "{user}", "a b", "ключ", "🔑:{}", " ", "a\tb\n
 _VALUE = re.compile(r"\S+ (\S+)")
 
 
+@pytest.fixture
+async def broker(
+    key_prefix: str, make_recording_broker: BrokerMaker, server: Server
+) -> RecordingBroker:
+    """A started broker on the test's server, its locks under the odd ``key_prefix``."""
+    return await make_recording_broker(server.url, key_prefix=key_prefix)
+
+
 @pytest.mark.parametrize("key_prefix", PREFIXES)
 async def test_explicit_keys_are_kept_verbatim_and_distinct(
-    key_prefix: str, make_recording_broker: BrokerMaker, server: Server
+    key_prefix: str, broker: RecordingBroker, server: Server
 ) -> None:
-    broker = await make_recording_broker(server.url, key_prefix=key_prefix)
     finish = asyncio.Event()
 
     @broker.task
@@ -68,9 +75,9 @@ async def test_explicit_keys_are_kept_verbatim_and_distinct(
 
 @pytest.mark.parametrize("key_prefix", PREFIXES)
 async def test_fingerprint_keys_under_an_odd_prefix_are_well_formed(
-    key_prefix: str, make_recording_broker: BrokerMaker, server: Server
+    key_prefix: str, broker: RecordingBroker, server: Server
 ) -> None:
-    broker = await make_recording_broker(server.url, key_prefix=key_prefix)
+    texts = ["a", "a:b", "{a}", "ünï 🔥"]
     finish = asyncio.Event()
 
     @broker.task
@@ -78,7 +85,6 @@ async def test_fingerprint_keys_under_an_odd_prefix_are_well_formed(
         await finish.wait()
         return text
 
-    texts = ["a", "a:b", "{a}", "ünï 🔥"]
     for text in texts:
         await work.kiq(text=text)
     with admin(server.port) as client:

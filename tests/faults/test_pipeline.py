@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Iterator
 
@@ -20,7 +19,7 @@ from taskiq import BrokerMessage, InMemoryBroker, TaskiqMessage, TaskiqMiddlewar
 
 from taskiq_deduplication import RedisDeduplicationMiddleware
 from taskiq_deduplication._store import Lock, LockStore
-from tests._server import Server
+from tests._server import Server, flushing_scripts
 from tests.faults._harness import LogRecords, admin, lock_keys, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -285,26 +284,11 @@ async def test_a_script_cache_lost_again_and_again_during_a_burst_fails_no_kiq(
     @broker.task
     async def job(n: int) -> None: ...
 
-    # Another process flushes the scripts in a tight loop, whatever our event
+    # Another thread flushes the scripts in a tight loop, whatever our event
     # loop does, so that some flushes land during a recovery from the last one.
-    stop = threading.Event()
-    flushes = 0
-
-    def flush() -> None:
-        nonlocal flushes
-        with admin(server.port) as client:
-            while not stop.is_set():
-                client.script_flush()
-                flushes += 1
-                time.sleep(0.0005)
-
-    flusher = threading.Thread(target=flush)
-    flusher.start()
-    try:
+    with flushing_scripts([server.port], pause=0.0005) as flushed:
         results = await asyncio.gather(*(job.kiq(n=n) for n in range(2000)), return_exceptions=True)
-    finally:
-        stop.set()
-        flusher.join()
+    flushes = flushed.count
     assert [r for r in results if isinstance(r, BaseException)] == []
     assert flushes >= 2
     with admin(server.port) as client:

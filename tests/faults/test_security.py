@@ -27,6 +27,7 @@ import taskiq_deduplication
 from taskiq_deduplication import DuplicateTaskError, TaskLock
 from tests._docs import documented_acl
 from tests._server import Server, free_port
+from tests._tasks import echo_task, held_task
 from tests.faults._harness import (
     GRACE_TTL_MS,
     LogRecords,
@@ -259,9 +260,7 @@ async def test_without_an_acquire_command_kiq_fails(
     commands = tuple(c for c in MINIMAL_COMMANDS if c != command)
     _set_user(server, minimal_acl(prefix, commands))  # after a startup with all of them
 
-    @broker.task
-    async def work(x: int) -> int:
-        return x
+    work = echo_task(broker)
 
     with pytest.raises(redis.exceptions.ResponseError):
         await work.kiq(x=1)
@@ -276,12 +275,8 @@ async def test_without_pexpire_the_lock_keeps_only_its_grace_ttl(
     broker = await make_recording_broker(
         _acl_url(server.port), default_ttl=60, default_exclusive=False
     )
-    finish = asyncio.Event()
-
-    @broker.task
-    async def work(x: int) -> int:
-        await finish.wait()
-        return x
+    work, gate = held_task(broker)
+    finish = gate.finish
 
     handle = await work.kiq(x=1)
     await asyncio.sleep(0.2)
@@ -299,9 +294,7 @@ async def test_without_del_the_lock_outlives_the_task(
     _set_user(server, minimal_acl(prefix, tuple(c for c in MINIMAL_COMMANDS if c != "del")))
     broker = await make_recording_broker(_acl_url(server.port))
 
-    @broker.task
-    async def work(x: int) -> int:
-        return x
+    work = echo_task(broker)
 
     await (await work.kiq(x=1)).wait_result(timeout=5)
     await broker.wait_all()
@@ -316,9 +309,7 @@ async def test_keys_outside_the_acl_pattern_are_refused(
     _set_user(server, minimal_acl(f"{prefix}-other"))
     broker = await make_recording_broker(_acl_url(server.port))
 
-    @broker.task
-    async def work(x: int) -> int:
-        return x
+    work = echo_task(broker)
 
     with pytest.raises(redis.exceptions.ResponseError):
         await work.kiq(x=1)

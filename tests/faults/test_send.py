@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
 import pytest
 import redis.exceptions
@@ -15,8 +14,9 @@ from taskiq_redis import ListQueueBroker
 from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
 from tests._brokers import holds_no_lock
 from tests._server import Server, free_port
+from tests._tasks import echo_task, held_task, warmed_echo
 from tests.faults._harness import GRACE_TTL_MS, LogRecords, admin, lock_keys
-from tests.faults.conftest import FAST, BrokerMaker
+from tests.faults.conftest import FAST, BrokerMaker, Recovery
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -25,10 +25,7 @@ pytestmark = pytest.mark.timeout(30)
 
 
 async def test_redis_down_at_send_fails_the_kiq_and_sends_nothing(
-    make_recording_broker: BrokerMaker,
-    server: Server,
-    prefix: str,
-    recovery: Callable[[str, float], None],
+    make_recording_broker: BrokerMaker, server: Server, prefix: str, recovery: Recovery
 ) -> None:
     broker = await make_recording_broker(f"{server.url}?{FAST}")
     ran: list[int] = []
@@ -61,9 +58,7 @@ async def test_redis_down_at_send_with_fail_open_sends_without_a_lock(
 ) -> None:
     broker = await make_recording_broker(f"{server.url}?{FAST}", fail_open=True)
 
-    @broker.task
-    async def work(x: int) -> int:
-        return x
+    work = echo_task(broker)
 
     server.stop()
     first = await work.kiq(x=1)
@@ -81,12 +76,8 @@ async def test_a_duplicate_seen_while_redis_is_up_raises_even_with_fail_open(
     make_recording_broker: BrokerMaker, server: Server
 ) -> None:
     broker = await make_recording_broker(f"{server.url}?{FAST}", fail_open=True)
-    release = asyncio.Event()
-
-    @broker.task
-    async def work(x: int) -> int:
-        await release.wait()
-        return x
+    work, gate = held_task(broker)
+    release = gate.finish
 
     first = await work.kiq(x=1)
     with pytest.raises(DuplicateTaskError) as caught:
@@ -112,17 +103,13 @@ def test_url_query_overrides_the_default_timeouts(server: Server) -> None:
 
 
 async def test_redis_hung_at_send_fails_within_the_configured_timeout(
-    make_recording_broker: BrokerMaker, server: Server, recovery: Callable[[str, float], None]
+    make_recording_broker: BrokerMaker, server: Server, recovery: Recovery
 ) -> None:
     broker = await make_recording_broker(
         f"{server.url}?socket_timeout=0.5&socket_connect_timeout=0.5"
     )
 
-    @broker.task
-    async def work(x: int) -> int:
-        return x
-
-    await (await work.kiq(x=0)).wait_result(timeout=5)  # a warm connection
+    work = await warmed_echo(broker)  # a warm connection
     server.pause()
     try:
         started = time.monotonic()
@@ -140,20 +127,13 @@ async def test_redis_hung_at_send_fails_within_the_configured_timeout(
 
 
 async def test_a_failed_send_to_a_hung_redis_leaves_at_most_a_grace_lock(
-    make_recording_broker: BrokerMaker,
-    server: Server,
-    prefix: str,
-    recovery: Callable[[str, float], None],
+    make_recording_broker: BrokerMaker, server: Server, prefix: str, recovery: Recovery
 ) -> None:
     # The acquire was written to the socket before the timeout; the server may
     # still run it once it wakes. Whatever it leaves must be a grace-TTL lock.
     broker = await make_recording_broker(f"{server.url}?{FAST}")
 
-    @broker.task
-    async def work(x: int) -> int:
-        return x
-
-    await (await work.kiq(x=0)).wait_result(timeout=5)
+    work = await warmed_echo(broker)  # a warm connection
     server.pause()
     try:
         with pytest.raises(redis.exceptions.TimeoutError):
@@ -173,11 +153,7 @@ async def test_redis_hung_at_send_with_fail_open_sends_within_the_timeout(
 ) -> None:
     broker = await make_recording_broker(f"{server.url}?{FAST}", fail_open=True)
 
-    @broker.task
-    async def work(x: int) -> int:
-        return x
-
-    await (await work.kiq(x=0)).wait_result(timeout=5)
+    work = await warmed_echo(broker)  # a warm connection
     server.pause()
     try:
         started = time.monotonic()
@@ -196,11 +172,7 @@ async def test_concurrent_sends_to_a_hung_redis_all_fail_within_one_timeout(
 ) -> None:
     broker = await make_recording_broker(f"{server.url}?{FAST}")
 
-    @broker.task
-    async def work(x: int) -> int:
-        return x
-
-    await (await work.kiq(x=0)).wait_result(timeout=5)
+    work = await warmed_echo(broker)  # a warm connection
     server.pause()
     try:
         started = time.monotonic()
@@ -221,11 +193,7 @@ async def test_the_default_timeout_bounds_a_send_to_a_hung_redis(
 ) -> None:
     broker = await make_recording_broker(server.url)  # no query: the 5 s defaults
 
-    @broker.task
-    async def work(x: int) -> int:
-        return x
-
-    await (await work.kiq(x=0)).wait_result(timeout=5)
+    work = await warmed_echo(broker)  # a warm connection
     server.pause()
     try:
         started = time.monotonic()
@@ -247,9 +215,7 @@ async def test_a_send_the_broker_refuses_releases_its_lock_at_once(
         f"{server.url}?{FAST}", kick_error=ConnectionError("broker unreachable"), default_ttl=300
     )
 
-    @broker.task
-    async def work(x: int) -> int:
-        return x
+    work = echo_task(broker)
 
     kicker = work.kicker() if ttl is None else work.kicker().with_labels(deduplication_ttl=ttl)
     with pytest.raises(SendTaskError):
@@ -275,9 +241,7 @@ async def test_a_send_cut_short_mid_kick_leaves_at_most_a_grace_lock(
         f"{server.url}?{FAST}", hold=True, on_kick=hang, default_ttl=300
     )
 
-    @broker.task
-    async def work(x: int) -> int:
-        return x
+    work = echo_task(broker)
 
     send = asyncio.create_task(work.kiq(x=1))
     await started.wait()
@@ -299,10 +263,7 @@ async def test_a_list_queue_broker_on_a_dead_port_releases_the_lock_at_once(
     broker.with_middlewares(middleware)
     await middleware.startup()  # the broker itself is down: start only the middleware
     try:
-
-        @broker.task
-        async def work(x: int) -> int:
-            return x
+        work = echo_task(broker)
 
         for _ in range(2):  # the second send is no duplicate of the first: it failed too
             with pytest.raises(SendTaskError):

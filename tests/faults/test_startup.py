@@ -6,31 +6,44 @@ import asyncio
 import itertools
 import re
 import time
-from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis.exceptions
 
 from taskiq_deduplication import DeduplicationError
 from tests._server import Server, free_port
+from tests._tasks import echo_task
 from tests.faults._harness import LogRecords
-from tests.faults.conftest import FAST, BrokerMaker
+from tests.faults.conftest import FAST, BrokerMaker, Recovery
 
 pytestmark = pytest.mark.timeout(30)
 
 _RETRYING = re.compile(r"attempt (\d+) of (\d+).*retrying in ([\d.]+)s")
 
 
-async def test_startup_retries_with_backoff_then_raises_connection_error(
-    make_recording_broker: BrokerMaker, logs: LogRecords
-) -> None:
+async def failed_startup(
+    make_recording_broker: BrokerMaker, **options: Any
+) -> tuple[pytest.ExceptionInfo[ConnectionError], float]:
+    """Start a broker whose Redis is a port nothing listens on; it must fail.
+
+    Returns:
+        The error, and when the startup began (``time.monotonic()``).
+    """
     dead = f"redis://127.0.0.1:{free_port()}/0?{FAST}"
-    broker = await make_recording_broker(
-        dead, start=False, startup_retries=4, startup_retry_delay=0.1
-    )
+    broker = await make_recording_broker(dead, start=False, **options)
     started = time.monotonic()
     with pytest.raises(ConnectionError) as caught:
         await broker.startup()
+    return caught, started
+
+
+async def test_startup_retries_with_backoff_then_raises_connection_error(
+    make_recording_broker: BrokerMaker, logs: LogRecords
+) -> None:
+    caught, started = await failed_startup(
+        make_recording_broker, startup_retries=4, startup_retry_delay=0.1
+    )
     elapsed = time.monotonic() - started
 
     # The builtin ConnectionError (what the spec promises), not redis-py's own,
@@ -60,21 +73,15 @@ async def test_startup_retries_with_backoff_then_raises_connection_error(
 async def test_startup_with_one_attempt_does_not_wait(
     make_recording_broker: BrokerMaker, logs: LogRecords
 ) -> None:
-    dead = f"redis://127.0.0.1:{free_port()}/0?{FAST}"
-    broker = await make_recording_broker(
-        dead, start=False, startup_retries=1, startup_retry_delay=5.0
+    _, started = await failed_startup(
+        make_recording_broker, startup_retries=1, startup_retry_delay=5.0
     )
-    started = time.monotonic()
-    with pytest.raises(ConnectionError):
-        await broker.startup()
     assert time.monotonic() - started < 4.0  # no 5 s wait after the only attempt
     assert logs.warnings("retrying") == []
 
 
 async def test_redis_coming_up_during_the_retries_lets_startup_succeed(
-    make_recording_broker: BrokerMaker,
-    logs: LogRecords,
-    recovery: Callable[[str, float], None],
+    make_recording_broker: BrokerMaker, logs: LogRecords, recovery: Recovery
 ) -> None:
     server = Server()  # not started yet: its port refuses connections
     try:
@@ -90,9 +97,7 @@ async def test_redis_coming_up_during_the_retries_lets_startup_succeed(
         recovery("startup: server up -> startup() returns", time.monotonic() - up_at)
         assert len(logs.warnings("retrying")) >= 2
 
-        @broker.task
-        async def work(x: int) -> int:
-            return x
+        work = echo_task(broker)
 
         handle = await work.kiq(x=1)
         assert (await handle.wait_result(timeout=5)).return_value == 1

@@ -12,6 +12,28 @@ from pathlib import Path
 
 from tests.soak.run import Options, soak
 
+#: The numeric options of a run: name, type, default and help.
+_NUMBERS: tuple[tuple[str, type[float | int], float, str], ...] = (
+    ("--rate", float, 40.0, "sends a second (default 40)"),
+    ("--dup-share", float, 0.3, "share of sends that repeat a recent call"),
+    (
+        "--chain-share",
+        float,
+        0.03,
+        "share of new list-broker calls that send from a second event loop (0.03)",
+    ),
+    ("--ttl", int, 15, "the middleware's default_ttl (15)"),
+    ("--socket-timeout", float, 1.0, "socket timeout to Redis (1.0 s)"),
+    (
+        "--latency-margin",
+        float,
+        0.5,
+        "how far past the socket timeout the lock's part of a kiq may go (0.5 s)",
+    ),
+    ("--workers", int, 2, "worker processes per broker (2)"),
+    ("--fault-gap", float, 2.0, "mean quiet time between faults (2.0 s)"),
+)
+
 
 def parse(argv: list[str]) -> Options:
     """The options of the command line."""
@@ -19,30 +41,8 @@ def parse(argv: list[str]) -> Options:
     length = parser.add_mutually_exclusive_group(required=True)
     length.add_argument("--seconds", type=float, help="how long to send for")
     length.add_argument("--minutes", type=float, help="how long to send for")
-    parser.add_argument("--rate", type=float, default=40.0, help="sends a second (default 40)")
-    parser.add_argument(
-        "--dup-share", type=float, default=0.3, help="share of sends that repeat a recent call"
-    )
-    parser.add_argument(
-        "--chain-share",
-        type=float,
-        default=0.03,
-        help="share of new list-broker calls that send from a second event loop (0.03)",
-    )
-    parser.add_argument("--ttl", type=int, default=15, help="the middleware's default_ttl (15)")
-    parser.add_argument(
-        "--socket-timeout", type=float, default=1.0, help="socket timeout to Redis (1.0 s)"
-    )
-    parser.add_argument(
-        "--latency-margin",
-        type=float,
-        default=0.5,
-        help="how far past the socket timeout the lock's part of a kiq may go (0.5 s)",
-    )
-    parser.add_argument("--workers", type=int, default=2, help="worker processes per broker (2)")
-    parser.add_argument(
-        "--fault-gap", type=float, default=2.0, help="mean quiet time between faults (2.0 s)"
-    )
+    for name, kind, default, text in _NUMBERS:
+        parser.add_argument(name, type=kind, default=default, help=text)
     parser.add_argument(
         "--long-pauses",
         action=argparse.BooleanOptionalAction,

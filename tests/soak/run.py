@@ -41,7 +41,7 @@ from typing import Any
 import redis
 
 from tests._server import Server
-from tests.e2e.conftest import Process, Processes
+from tests.e2e.conftest import Process, Processes, live_processes
 from tests.faults._proxy import Proxy
 from tests.soak import ledger, report
 from tests.soak.app import BROKERS, CONFIG_ENV, MAX_ATTEMPTS, SoakConfig, build
@@ -361,21 +361,18 @@ class Conductor:
 def _scan_processes(pgids: set[int]) -> list[tuple[int, int, int]]:
     """``(pid, pgid, rss_kb)`` of every live process in one of ``pgids``."""
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+    for entry, pgid in live_processes():
+        if pgid not in pgids:
             continue
         try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) not in pgids or fields[0] in {"Z", "X"}:
-                continue
             status = (entry / "status").read_text()
-        except (OSError, IndexError, ValueError):
+        except OSError:
             continue
         kb = next(
             (int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")),
             0,
         )
-        found.append((int(entry.name), int(fields[2]), kb))
+        found.append((int(entry.name), pgid, kb))
     return found
 
 

@@ -27,6 +27,7 @@ def _cluster_port() -> int:
         port = free_port()
         if port <= 55535:
             with socket.socket() as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
                     probe.bind(("127.0.0.1", port + 10000))
                 except OSError:

@@ -4,36 +4,36 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
-import redis
 from redis.asyncio.cluster import RedisCluster
-from taskiq import InMemoryBroker, SimpleRetryMiddleware, TaskiqMiddleware
+from taskiq import InMemoryBroker
 
 from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
 from tests._brokers import HoldingBroker
 from tests._cli import dedup, holding
+from tests._server import flushing_scripts
+from tests._tasks import all_running
+from tests.conftest import closed_after, cluster_client, start_or_skip
 from tests.topologies._servers import Cluster
 
-
-@pytest.fixture
-async def client(cluster: Cluster) -> AsyncIterator[RedisCluster]:
-    """A cluster client found from one node's URL, as the docs say to build it."""
-    connected = RedisCluster.from_url(cluster.url, decode_responses=True)
-    try:
-        yield connected
-    finally:
-        await connected.aclose()
+# In the one worker that runs the core tests on the Cluster too (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("cluster")
 
 
 @pytest.fixture
 def prefix() -> str:
     return f"cluster:{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+async def client(cluster: Cluster, prefix: str) -> AsyncIterator[RedisCluster]:
+    """A cluster client found from one node's URL; deletes the test's keys at the end."""
+    async for connected in closed_after(cluster_client(cluster), prefix):
+        yield connected
 
 
 async def keys_under(client: RedisCluster, prefix: str) -> list[str]:
@@ -42,72 +42,22 @@ async def keys_under(client: RedisCluster, prefix: str) -> list[str]:
 
 
 async def started(
-    client: RedisCluster, prefix: str, *, more: list[TaskiqMiddleware] | None = None, **options: Any
+    client: RedisCluster,
+    prefix: str,
+    broker_class: type[InMemoryBroker] = InMemoryBroker,
+    **options: Any,
 ) -> InMemoryBroker:
     dedup = RedisDeduplicationMiddleware(client=client, key_prefix=prefix, **options)
-    broker = InMemoryBroker().with_middlewares(dedup, *(more or []))
+    broker = broker_class().with_middlewares(dedup)
     await broker.startup()
     return broker
-
-
-async def test_duplicate_rejected_with_the_right_holder(client: RedisCluster, prefix: str) -> None:
-    broker = await started(client, prefix)
-    finish = asyncio.Event()
-
-    @broker.task
-    async def job(n: int) -> None:
-        await finish.wait()
-
-    sent = await asyncio.gather(*(job.kiq(n=i) for i in range(30)))
-    for n in (0, 17, 29):
-        with pytest.raises(DuplicateTaskError) as caught:
-            await job.kiq(n=n)
-        assert caught.value.holder_task_id == sent[n].task_id
-    finish.set()
-    await broker.wait_all()
-    await broker.shutdown()
-
-
-async def test_released_after_success_and_after_failure(client: RedisCluster, prefix: str) -> None:
-    broker = await started(client, prefix)
-
-    @broker.task
-    async def ok(n: int) -> int:
-        return n
-
-    @broker.task
-    async def boom(n: int) -> None:
-        msg = "failed"
-        raise RuntimeError(msg)
-
-    handles = [await ok.kiq(n=i) for i in range(10)] + [await boom.kiq(n=i) for i in range(10)]
-    for handle in handles:
-        await handle.wait_result(timeout=5)
-    await broker.wait_all()
-    assert await keys_under(client, prefix) == []
-    await ok.kiq(n=1)
-    await broker.wait_all()
-    await broker.shutdown()
 
 
 async def test_heartbeat_keeps_locks_on_every_node_alive(
     cluster: Cluster, client: RedisCluster, prefix: str
 ) -> None:
     broker = await started(client, prefix, default_ttl=2)
-    running = 0
-    all_running = asyncio.Event()
-    finish = asyncio.Event()
-
-    @broker.task
-    async def job(n: int) -> None:
-        nonlocal running
-        running += 1
-        if running == 300:
-            all_running.set()
-        await finish.wait()
-
-    await asyncio.gather(*(job.kiq(n=i) for i in range(300)))
-    await all_running.wait()
+    job, finish = await all_running(broker, 300)
     keys = await keys_under(client, prefix)
     nodes = {getattr(client.get_node_from_key(key), "port", None) for key in keys}
     assert nodes == {node.port for node in cluster.nodes}  # spread over all slots' owners
@@ -121,39 +71,10 @@ async def test_heartbeat_keeps_locks_on_every_node_alive(
     await broker.shutdown()
 
 
-async def test_a_retry_takes_its_lock_over(client: RedisCluster, prefix: str) -> None:
-    broker = await started(client, prefix, more=[SimpleRetryMiddleware(default_retry_count=3)])
-    attempts = 0
-    rejected: list[str | None] = []
-
-    @broker.task(retry_on_error=True)
-    async def flaky(n: int) -> str:
-        nonlocal attempts
-        attempts += 1
-        try:
-            await flaky.kiq(n=n)
-        except DuplicateTaskError as err:
-            rejected.append(err.holder_task_id)
-        if attempts < 3:
-            msg = "not yet"
-            raise RuntimeError(msg)
-        return "done"
-
-    first = await flaky.kiq(n=1)
-    for _ in range(50):
-        await broker.wait_all()
-        if not broker._running_tasks:
-            break
-    assert attempts == 3
-    assert rejected == [first.task_id] * 3
-    assert await keys_under(client, prefix) == []
-    await broker.shutdown()
-
-
 async def test_fail_open_when_the_whole_cluster_is_down(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    down = Cluster(primaries=3).start()
+    down = start_or_skip(Cluster(primaries=3).start, "Redis Cluster")
     client = RedisCluster.from_url(down.url, socket_timeout=0.5, socket_connect_timeout=0.5)
     strict = RedisDeduplicationMiddleware(client=client, key_prefix="strict")
     lenient = RedisDeduplicationMiddleware(client=client, key_prefix="lenient", fail_open=True)
@@ -190,24 +111,8 @@ async def test_script_caches_lost_during_a_burst_fail_no_kiq(
     async def job(n: int) -> None: ...
 
     # Every primary loses its scripts again and again, whatever our loop does.
-    stop = threading.Event()
-
-    def flush() -> None:
-        nodes = [redis.Redis(port=node.port, socket_timeout=2) for node in cluster.nodes]
-        while not stop.is_set():
-            for node in nodes:
-                node.script_flush()
-            time.sleep(0.001)
-        for node in nodes:
-            node.close()
-
-    flusher = threading.Thread(target=flush)
-    flusher.start()
-    try:
+    with flushing_scripts([node.port for node in cluster.nodes], pause=0.001):
         results = await asyncio.gather(*(job.kiq(n=n) for n in range(1000)), return_exceptions=True)
-    finally:
-        stop.set()
-        flusher.join()
     assert [r for r in results if isinstance(r, BaseException)] == []
     assert len(await keys_under(client, prefix)) == 1000
     await broker.shutdown()
@@ -261,3 +166,21 @@ async def test_the_dedup_command_releases_merged_arguments_in_the_locks_slot(
     finally:
         broker.queued.clear()
         await broker.shutdown()
+
+
+async def test_without_a_hash_tag_a_merging_task_is_refused_clearly(
+    client: RedisCluster, prefix: str
+) -> None:
+    broker = cast("HoldingBroker", await started(client, prefix, HoldingBroker))
+
+    @broker.task(deduplication_key="sync", deduplication_merge="latest")
+    async def sync(version: int) -> None: ...
+
+    @broker.task(deduplication_key="plain")
+    async def plain() -> None: ...
+
+    with pytest.raises(ValueError, match="hash tag"):
+        await sync.kiq(version=1)
+    await plain.kiq()  # tasks without a merge or a fence are not affected
+    await broker.deliver()
+    await broker.shutdown()

@@ -12,40 +12,24 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from redis.asyncio import Redis
-from redis.asyncio.sentinel import Sentinel
-from taskiq import SimpleRetryMiddleware, TaskiqMiddleware
 
 from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
 from tests._brokers import HoldingBroker
 from tests._cli import dedup, holding
+from tests.conftest import owned, primary_client, start_or_skip
 from tests.topologies._servers import Sentinels
+
+# In the one worker that runs the core tests on the Sentinel set too (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("sentinel")
 
 logger = logging.getLogger(__name__)
 
 _FAILOVER_TIMEOUT = 30.0
-
-
-def primary_client(watched: Sentinels) -> Redis:
-    """The client the docs recommend: the sentinels' current primary, short timeouts."""
-    sentinel = Sentinel(watched.addresses, socket_timeout=0.5)  # type: ignore[no-untyped-call]
-    client: Redis = sentinel.master_for(
-        watched.service, socket_timeout=0.5, socket_connect_timeout=0.5, decode_responses=True
-    )
-    return client
-
-
-@pytest.fixture
-async def client(sentinels: Sentinels) -> AsyncIterator[Redis]:
-    connected = primary_client(sentinels)
-    try:
-        yield connected
-    finally:
-        await connected.aclose()
 
 
 @pytest.fixture
@@ -56,66 +40,20 @@ def prefix() -> str:
 @pytest.fixture
 def fresh_sentinels() -> Iterator[Sentinels]:
     """A topology of its own, for a test that kills its primary."""
-    watched = Sentinels().start()
-    try:
-        yield watched
-    finally:
-        watched.stop()
+    yield from owned(start_or_skip(Sentinels().start, "Sentinel set"), Sentinels.stop)
 
 
-async def started(
-    client: Redis, prefix: str, *, more: list[TaskiqMiddleware] | None = None, **options: Any
-) -> HoldingBroker:
-    dedup = RedisDeduplicationMiddleware(client=client, key_prefix=prefix, **options)
-    broker = HoldingBroker().with_middlewares(dedup, *(more or []))
+async def started(watched: Sentinels, prefix: str) -> tuple[Redis, HoldingBroker, Any]:
+    """The application: a client of the sentinels' primary, its broker and a task ``job(n)``."""
+    client = primary_client(watched)
+    broker = HoldingBroker().with_middlewares(
+        RedisDeduplicationMiddleware(client=client, key_prefix=prefix)
+    )
     await broker.startup()
-    return broker
 
+    async def job(n: int) -> None: ...
 
-async def test_duplicate_rejected_and_released_after_success_and_failure(
-    client: Redis, prefix: str
-) -> None:
-    broker = await started(client, prefix)
-
-    @broker.task
-    async def ok(n: int) -> int:
-        return n
-
-    @broker.task
-    async def boom(n: int) -> None:
-        msg = "failed"
-        raise RuntimeError(msg)
-
-    first = await ok.kiq(n=1)
-    with pytest.raises(DuplicateTaskError) as caught:
-        await ok.kiq(n=1)
-    assert caught.value.holder_task_id == first.task_id
-    await boom.kiq(n=1)
-    await broker.deliver()
-    assert await client.keys(f"{prefix}:*") == []
-    await broker.shutdown()
-
-
-async def test_heartbeat_and_retry_takeover(client: Redis, prefix: str) -> None:
-    retry = SimpleRetryMiddleware(default_retry_count=3)
-    broker = await started(client, prefix, more=[retry], default_ttl=2)
-    attempts = 0
-
-    @broker.task(retry_on_error=True)
-    async def flaky() -> str:
-        nonlocal attempts
-        attempts += 1
-        if attempts == 1:
-            await asyncio.sleep(2.5)  # outlives the TTL: the heartbeat keeps the lock
-            msg = "first attempt fails"
-            raise RuntimeError(msg)
-        return "done"
-
-    await flaky.kiq()
-    await broker.deliver()
-    assert attempts == 2
-    assert await client.keys(f"{prefix}:*") == []
-    await broker.shutdown()
+    return client, broker, broker.register_task(job)
 
 
 async def sent(kiq: Any) -> bool:
@@ -145,11 +83,7 @@ async def wait_for_failover(watched: Sentinels, old_port: int) -> None:
 async def test_failover_without_restarting_the_application(
     fresh_sentinels: Sentinels, prefix: str
 ) -> None:
-    client = primary_client(fresh_sentinels)
-    broker = await started(client, prefix)
-
-    @broker.task
-    async def job(n: int) -> None: ...
+    client, broker, job = await started(fresh_sentinels, prefix)
 
     before = await job.kiq(n=0)
     await asyncio.sleep(0.2)  # replicated long before the kill
@@ -175,11 +109,7 @@ async def test_failover_without_restarting_the_application(
 async def test_locks_taken_just_before_a_failover_can_be_lost(
     fresh_sentinels: Sentinels, prefix: str
 ) -> None:
-    client = primary_client(fresh_sentinels)
-    broker = await started(client, prefix)
-
-    @broker.task
-    async def job(n: int) -> None: ...
+    client, broker, job = await started(fresh_sentinels, prefix)
 
     taken: list[object] = []
     stop_at = time.monotonic() + 0.5
