@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from taskiq import TaskiqMessage
 
-from taskiq_deduplication import DuplicateTaskError, LockEvent, LockEventKind, kiq_or_join
+from taskiq_deduplication import DuplicateTaskError, LockEvent, LockEventKind, Locks, kiq_or_join
 from taskiq_deduplication._formats import (
     LOCK_OWNER_LABEL,
     new_run_token,
@@ -319,3 +319,34 @@ async def test_a_lock_with_its_record_stays_within_200_bytes(
     usage = await redis_client.memory_usage(key)
     assert usage is not None
     assert usage <= 200
+
+
+async def test_the_lock_api_reads_the_record(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker, record_task_name=True)
+
+    @broker.task(task_name=NAME_30, deduplication_key="nightly")
+    async def job() -> None: ...
+
+    before = await server_ms(redis_client)
+    sent = await job.kiq()
+    await redis_client.set(f"{prefix}:older", "AAAAAAAAAAA older-task", px=60_000)
+    await wait_until(lambda: accepted(redis_client, f"{prefix}:nightly"))
+    locks = Locks(redis_client, prefix=prefix)
+    lock = await locks.get("nightly")
+    older = await locks.get("older")
+    assert lock is not None
+    assert older is not None
+    assert (lock.holder_task_id, lock.task_name, lock.policy, lock.sent) == (
+        sent.task_id,
+        NAME_30,
+        "finished",
+        True,
+    )
+    assert lock.taken_at is not None
+    assert lock.age is not None
+    assert before / 1000 <= lock.taken_at <= before / 1000 + 5
+    assert 0 <= lock.age < 5
+    assert (older.holder_task_id, older.owner) == ("older-task", "AAAAAAAAAAA")
+    assert (older.policy, older.taken_at, older.age, older.sent, older.task_name) == (None,) * 5
