@@ -7,7 +7,7 @@
 -- ARGV[4]  the value of a lock this send may take over (a retry of the send or
 --          run that holds it, marked " +" or "!" or not), or "" for an ordinary send
 -- ARGV[5]  the lock's record after the time: "<policy letter>[/<task name>]",
---          or "" for a lock without one (a tick lock)
+--          or "" (or nothing) for a lock without one (a tick lock)
 --
 -- The lock's value is "<token> <task_id>", where the token is
 -- "<owner>/<server ms>/<record>" with a record (and "!" follows the task_id
@@ -19,14 +19,15 @@
 local current = redis.call('GET', KEYS[1])
 local token = ARGV[1]
 local value = token .. ' ' .. ARGV[2]
-if ARGV[5] ~= '' then
+local record = ARGV[5] or ''
+if record ~= '' then
   local mine = current and string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. '/'
   if mine then
     token = string.match(current, '^(%S+) ')
   else
     local t = redis.call('TIME')
     token = ARGV[1] .. '/' .. string.format('%.0f', t[1] * 1000 + math.floor(t[2] / 1000))
-      .. '/' .. ARGV[5]
+      .. '/' .. record
   end
   value = token .. ' ' .. ARGV[2] .. '!'
 end

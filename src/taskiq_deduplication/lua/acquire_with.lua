@@ -15,7 +15,7 @@
 -- ARGV[8]      "1" when this send is a retry: it runs as soon as it is delivered,
 --              and never merges into another send's arguments
 -- ARGV[9]      the task's name, for a task that merges
--- ARGV[10]     the lock's record after the time, as for acquire.lua ("" for none)
+-- ARGV[10]     the lock's record after the time, as for acquire.lua ("" or nothing: none)
 --
 -- The lock's value is written as acquire.lua writes it.
 --
@@ -41,11 +41,12 @@ local function now_ms()
 end
 local token = ARGV[1]
 local value = token .. ' ' .. ARGV[2]
-if ARGV[10] ~= '' then
+local record = ARGV[10] or ''
+if record ~= '' then
   if current and string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. '/' then
     token = string.match(current, '^(%S+) ')
   else
-    token = ARGV[1] .. '/' .. string.format('%.0f', now_ms()) .. '/' .. ARGV[10]
+    token = ARGV[1] .. '/' .. string.format('%.0f', now_ms()) .. '/' .. record
   end
   value = token .. ' ' .. ARGV[2] .. '!'
 end
