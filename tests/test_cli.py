@@ -93,13 +93,22 @@ async def test_list_every_lock_with_its_holder_and_time_left(
     assert [lock["key"] for lock in locks] == sorted(lock["key"] for lock in locks)
     assert {lock["holder_task_id"] for lock in locks} == {*ids, named_id}
     for lock in locks:
-        assert set(lock) == {"key", "name", "holder_task_id", "owner_token", "ttl_ms"}
+        assert set(lock) == {"key", "name", "holder_task_id", "owner_token", "ttl_ms"} | {
+            "task_name",
+            "policy",
+            "age_ms",
+            "sent",
+        }
         assert lock["key"] == f"{prefix}:{lock['name']}"
         assert 0 < lock["ttl_ms"] <= 300_000
+        # The lock's record: the name only where the middleware records it.
+        assert (lock["task_name"], lock["policy"], lock["sent"]) == (None, "finished", True)
+        assert 0 <= lock["age_ms"] < 60_000
     assert [lock["holder_task_id"] for lock in matched.json()] == [named_id]
     assert as_text.status == 0
     header, *rows, summary = as_text.stdout.splitlines()
-    assert header.split() == ["KEY", "HOLDER", "TASK", "ID", "TIME", "LEFT"]
+    columns = ["KEY", "HOLDER", "TASK", "ID", "TASK", "POLICY", "AGE", "SENT", "TIME", "LEFT"]
+    assert header.split() == columns
     assert len(rows) == 4
     assert f"{prefix}:nightly" in as_text.stdout
     assert all(task_id in as_text.stdout for task_id in ids)
@@ -563,3 +572,44 @@ async def test_every_command_reads_the_url_and_the_prefix_from_the_app(
     )
     assert released.status == 0, released.stderr
     assert (await app.nightly.kiq()).task_id != sent.task_id  # free again
+
+
+async def test_show_tells_what_a_lock_is_for_and_shows_an_older_lock_as_before(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, url: dict[str, str], prefix: str
+) -> None:
+    broker = await make_broker(record_task_name=True)
+    finish = asyncio.Event()
+
+    @broker.task(task_name="cli.recorded", deduplication_key="recorded")
+    async def recorded() -> None:
+        await finish.wait()
+
+    try:
+        task_id = (await recorded.kiq()).task_id
+        # A lock of an older version: its value has no record.
+        await redis_client.set(f"{prefix}:older", "AAAAAAAAAAA older-task", px=60_000)
+        new, old, listed = await asyncio.gather(
+            dedup("show", "recorded", "--prefix", prefix, **url),
+            dedup("show", "older", "--prefix", prefix, **url),
+            dedup("list", "--prefix", prefix, **url),
+        )
+    finally:
+        finish.set()
+    assert new.status == 0, new.stderr
+    shown = {line[:15].strip(): line[16:] for line in new.stdout.splitlines()}
+    assert shown["holder task id"] == task_id
+    assert shown["task name"] == "cli.recorded"
+    assert shown["policy"] == "finished"
+    assert shown["age"].endswith(" ms")
+    assert shown["sent"].startswith("yes")
+    assert [line.split()[0] for line in old.stdout.splitlines()] == [
+        "key",
+        "name",
+        "holder",
+        "owner",
+        "time",
+    ]
+    assert "older-task" in old.stdout
+    rows = {line.split()[0]: line.split() for line in listed.stdout.splitlines()[1:-1]}
+    assert rows[f"{prefix}:recorded"][2:4] == ["cli.recorded", "finished"]
+    assert rows[f"{prefix}:older"][2:6] == ["-", "-", "-", "-"]

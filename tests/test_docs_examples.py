@@ -66,10 +66,15 @@ _SNIPPET = re.compile(r"""--8<--\s+["'](?P<path>[^"':]+)(?::[^"']+)?["']""")
 # 11-character token), so a change of format shows up as a difference.
 # An owner token: 11 random characters, or, for a lock under an explicit key or
 # key fields, 6 random ones, a dot and a digest of the call's arguments.
-_OWNER_SHAPE = r"[A-Za-z0-9_-]{11}|[A-Za-z0-9_-]{6}\.[A-Za-z0-9_-]{4}"
+# Then the lock's record: the server's time in ms, the policy's letter, and the
+# task's name where the middleware records it (its spaces escaped).
+_RECORD_SHAPE = r"(?:/\d{13}/[fse](?:/[^\s\"]+)?)?"
+_OWNER_SHAPE = rf"(?:[A-Za-z0-9_-]{{11}}|[A-Za-z0-9_-]{{6}}\.[A-Za-z0-9_-]{{4}}){_RECORD_SHAPE}"
 # A run's token, in a lock while its task runs: ~ (or =, once the run succeeded)
-# and 10 more characters, or 5, a dot and the digest.
-_RUN_SHAPE = r"[~=][A-Za-z0-9_-]{10}|[~=][A-Za-z0-9_-]{5}\.[A-Za-z0-9_-]{4}"
+# and 10 more characters, or 5, a dot and the digest; then the record.
+_RUN_SHAPE = (
+    rf"(?:[~=][A-Za-z0-9_-]{{10}}|[~=][A-Za-z0-9_-]{{5}}\.[A-Za-z0-9_-]{{4}}){_RECORD_SHAPE}"
+)
 _VARYING = (
     (re.compile(r"\b[0-9a-f]{32}\b"), "<task_id>"),
     (re.compile(r"(?<=:)[A-Za-z0-9_-]{43}(?![A-Za-z0-9_-])"), "<digest>"),
@@ -85,7 +90,9 @@ _VARYING = (
     # What `taskiq dedup` prints of a lock: its owner token and its time left.
     (re.compile(rf'(?<="owner_token": ")(?:{_OWNER_SHAPE})(?=")'), "<token>"),
     (re.compile(rf'(?<="owner_token": ")(?:{_RUN_SHAPE})(?=")'), "<run token>"),
-    (re.compile(r'(?<="ttl_ms": )\d+\b|\b\d+(?= ms\b)'), "<ms>"),
+    (re.compile(r'(?<="ttl_ms": )\d+\b|(?<="age_ms": )\d+\b|\b\d+(?= ms\b)'), "<ms>"),
+    # A table's columns are as wide as their widest cell: an age of 999 or 1000 ms.
+    (re.compile(r"(?<=\S)  +(?=\S)"), "  "),
 )
 
 

@@ -48,7 +48,7 @@ async def test_a_task_s_life_is_told_as_locked_then_released(
     (key,) = {event.key for event in events}
     assert events == [
         LockEvent(LOCKED, job.task_name, sent.task_id, key, sent.task_id),
-        LockEvent(DUPLICATE, job.task_name, "second", key, sent.task_id),
+        LockEvent(DUPLICATE, job.task_name, "second", key, sent.task_id, holder_sent=True),
         LockEvent(RELEASED, job.task_name, sent.task_id, key, None),
     ]
     assert key is not None

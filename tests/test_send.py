@@ -56,7 +56,10 @@ async def test_lock_value_names_the_holder_and_an_owner_token(
     (key,) = await lock_keys(redis_client, prefix)
     token, task_id = (await lock_value(redis_client, key)).split(" ")
     assert task_id == first.task_id
-    assert len(token) == 11
+    owner, taken, policy = token.split("/")  # the owner, and the lock's record
+    assert len(owner) == 11
+    assert taken.isdigit()
+    assert policy == "f"
     assert key == f"{prefix}:" + key.rsplit(":", 1)[1]
     assert len(key.rsplit(":", 1)[1]) == 43  # the full SHA-256 digest, base64url
 
@@ -435,6 +438,11 @@ async def test_duplicate_error_survives_pickling() -> None:
     assert (copy.task_name, copy.key, copy.holder_task_id) == ("tasks:job", "prefix:key", "abc")
     assert str(copy) == str(err)
     assert "an unknown task" in str(DuplicateTaskError("t", "k", None))
+    unsent = DuplicateTaskError("tasks:job", "prefix:key", "abc", holder_sent=False)
+    copy = pickle.loads(pickle.dumps(unsent))  # noqa: S301 (our own object)
+    assert copy.holder_sent is False
+    assert str(copy) == str(unsent)
+    assert str(unsent).endswith("whose send the broker has not accepted yet")
 
 
 async def test_foreign_lock_value_gives_no_holder(

@@ -20,7 +20,10 @@ from taskiq_deduplication import RedisDeduplicationMiddleware
 
 REDIS_URL = re.sub(r"/\d*$", "", os.environ.get("REDIS_URL", "redis://localhost:6379")) + "/5"
 
-broker = InMemoryBroker().with_middlewares(RedisDeduplicationMiddleware(redis_url=REDIS_URL))
+# record_task_name: each lock records its task's name, for `list` and `show` to tell.
+broker = InMemoryBroker().with_middlewares(
+    RedisDeduplicationMiddleware(redis_url=REDIS_URL, record_task_name=True)
+)
 finish = asyncio.Event()
 
 

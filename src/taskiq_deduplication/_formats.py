@@ -6,6 +6,18 @@ the call's fingerprint or the task's explicit key. Its value is
 only be extended or released by the send that took it, and the task_id names
 the holder in a [DuplicateTaskError][taskiq_deduplication.DuplicateTaskError].
 
+The token carries the lock's record after its random part: a lock tells what it
+is for. ``"<owner>/<taken ms>/<policy>[/<task name>]"``: the server's time in
+milliseconds when the acquire script took it, the policy's first letter, and
+the task's name where the middleware records it (``record_task_name``; its
+whitespace and ``%`` percent-escaped). Until a broker accepts the send, ``"!"``
+follows the task_id (`UNSENT_MARK`); the send's ``post_send`` removes it. The
+message's owner label carries the value as it is once accepted, so a worker
+of a version before the record (which compares whole values) finds its lock
+as it always did. A value without a record (``"<owner token> <task_id>"``) was
+written by an older version, or is a tick lock: it is read as before, and
+whether its send was accepted is not known. `read_lock_value` reads either.
+
 On the message, the sender records the lock it took in labels of its own
 (``_deduplication_lock_*``), which travel as strings like taskiq's ``_retries``;
 the worker reads them back to re-assert, refresh and release that very lock.
@@ -46,6 +58,7 @@ import re
 import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
+from urllib.parse import unquote
 
 from taskiq_deduplication._policies import FINISHED
 
@@ -99,6 +112,18 @@ NO_OWNER: Final = "-"
 # After a running slot's value while a copy of its task waits for the run.
 WAITED_MARK: Final = " +"
 DEFAULT_UNTIL: Final = FINISHED.name
+#: Between an owner token's random part and the lock's record, and between the
+#: record's fields. Never in a random part (base64url, with ``.`` before a digest).
+RECORD_MARK: Final = "/"
+#: After a lock's value (new format only) until a broker accepts its send. Not a
+#: space: a worker of a version before the record reads the second word of a
+#: value as its task_id, and must not take a lock in flight for its own.
+UNSENT_MARK: Final = "!"
+# The record's letter for each policy, and back.
+_POLICY_LETTERS: Final = {"finished": "f", "started": "s", "expired": "e"}
+_LETTER_POLICIES: Final = {letter: name for name, letter in _POLICY_LETTERS.items()}
+# What a recorded task name escapes: what would end a word of the value.
+_NAME_ESCAPES: Final = re.compile(r"[\t\n\v\f\r %]")
 
 
 def lock_key(prefix: str, name: str) -> str:
@@ -182,13 +207,17 @@ def run_key(prefix: str, lock: str) -> str | None:
 def new_run_token(token: str) -> str:
     """Make the token of one run of the send ``token``: a run slot holds it while the run goes on.
 
-    It is as long as the send's token and keeps its arguments' digest, so a
-    lock's value grows by nothing when its run begins.
+    It is as long as the send's token and keeps its arguments' digest and its
+    record, so a lock's value grows by nothing when its run begins, and still
+    tells what it is for.
     """
-    random, mark, digest = token.partition(_DIGEST_MARK)
+    owner, separator, record = token.partition(RECORD_MARK)
+    random, mark, digest = owner.partition(_DIGEST_MARK)
     if mark and random and digest:
-        return RUN_MARK + secrets.token_urlsafe(6)[:5] + _DIGEST_MARK + digest
-    return RUN_MARK + secrets.token_urlsafe(8)[:10]
+        run = RUN_MARK + secrets.token_urlsafe(6)[:5] + _DIGEST_MARK + digest
+    else:
+        run = RUN_MARK + secrets.token_urlsafe(8)[:10]
+    return run + separator + record
 
 
 def new_token(digest: str | None = None) -> str:
@@ -217,8 +246,8 @@ def arguments_digest(fingerprint: str) -> str:
 
 def token_digest(value: str) -> str | None:
     """The arguments digest in the token of lock value ``value``, if it has one."""
-    token = value.partition(" ")[0]
-    random, mark, digest = token.partition(_DIGEST_MARK)
+    owner = value.partition(" ")[0].partition(RECORD_MARK)[0]
+    random, mark, digest = owner.partition(_DIGEST_MARK)
     return digest if mark and random and digest else None
 
 
@@ -230,11 +259,86 @@ def lock_value(token: str, task_id: str) -> str:
 def holder_task_id(value: str) -> str | None:
     """The ``task_id`` in a lock's value, or ``None`` if the value is not ours.
 
-    A run slot's value may carry a mark after the task_id (`WAITED_MARK`).
+    A run slot's value may carry a mark after the task_id (`WAITED_MARK`), and
+    a lock whose send a broker has not accepted yet another (`UNSENT_MARK`).
+    (A task_id of its own that ends with ``"!"`` reads as unsent, without it;
+    taskiq's own task_ids are hexadecimal.)
     """
     token, separator, rest = value.partition(" ")
     task_id = rest.partition(" ")[0]
+    if RECORD_MARK in token and task_id.endswith(UNSENT_MARK):
+        task_id = task_id[: -len(UNSENT_MARK)]
     return task_id if separator and token and task_id else None
+
+
+def record_tail(policy: str, task_name: str | None) -> str:
+    """What the acquire script writes after the owner and the time: policy, and the name.
+
+    ``task_name`` ``None``: the name is not recorded (the default: it costs
+    memory per lock, see ``record_task_name``).
+    """
+    letter = _POLICY_LETTERS.get(policy, "?")
+    if task_name is None:
+        return letter
+    escaped = _NAME_ESCAPES.sub(lambda found: f"%{ord(found.group()):02X}", task_name)
+    return f"{letter}{RECORD_MARK}{escaped}"
+
+
+@dataclass(frozen=True, slots=True)
+class LockRecord:
+    """What a lock's value tells: who holds it, and, where it has a record, what for.
+
+    A value of an older version (or a tick lock) has no record: its ``taken_ms``,
+    ``policy``, ``task_name`` and ``sent`` are ``None``.
+    """
+
+    owner_token: str
+    """The token of the send (or run) that holds the lock, its record included:
+    what an owner-checked release compares."""
+    holder_task_id: str
+    """The ``task_id`` of the task that holds it."""
+    taken_ms: int | None = None
+    """The server's time, in milliseconds since the epoch, when the lock was taken."""
+    policy: str | None = None
+    """The name of the lock's policy: ``"finished"``, ``"started"`` or ``"expired"``."""
+    task_name: str | None = None
+    """The holder's task name, if the middleware records it (``record_task_name``)."""
+    sent: bool | None = None
+    """Whether a broker has accepted the holder's send; ``None`` when not known
+    (a value without a record)."""
+    running: bool = False
+    """Whether the value is a run's (a run of the task goes on)."""
+    succeeded: bool = False
+    """Whether the value remembers a run that succeeded."""
+
+
+def read_lock_value(value: str) -> LockRecord | None:
+    """Read a lock's value, of either format; ``None`` if it is not a lock's value.
+
+    Never raises: a record this version cannot read leaves its fields ``None``.
+    """
+    holder = holder_task_id(value)
+    if holder is None:
+        return None
+    token = value.partition(" ")[0]
+    owner, separator, record = token.partition(RECORD_MARK)
+    running = owner.startswith(RUN_MARK)
+    succeeded = owner.startswith(SUCCEEDED_MARK)
+    if not separator:
+        return LockRecord(token, holder, running=running, succeeded=succeeded)
+    taken, _, rest = record.partition(RECORD_MARK)
+    letter, named, name = rest.partition(RECORD_MARK)
+    unsent = value.partition(" ")[2].partition(" ")[0].endswith(UNSENT_MARK)
+    return LockRecord(
+        token,
+        holder,
+        taken_ms=int(taken) if taken.isdigit() else None,
+        policy=_LETTER_POLICIES.get(letter),
+        task_name=unquote(name) if named else None,
+        sent=not unsent,
+        running=running,
+        succeeded=succeeded,
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ arguments merged into its queued task) goes in the same step.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -38,6 +39,10 @@ class Read(NamedTuple):
     value: str
     pttl: int | None
     """What ``PTTL`` answered (-1: no expiry), ``None`` if the Redis user may not run it."""
+    now_ms: int
+    """The time it was read, in milliseconds since the epoch: the server's (the
+    clock that the lock's record was written by) where a plain pipeline can ask
+    it, else this machine's (a cluster, or a Redis user without ``TIME``)."""
 
 
 async def lock_batches(client: RedisClient, pattern: str, count: int) -> AsyncIterator[list[Read]]:
@@ -107,7 +112,14 @@ async def read_locks(client: RedisClient, keys: Sequence[str]) -> list[Read]:
         for key in batch:
             pipe.get(raw(key))
             pipe.pttl(raw(key))
+        cluster = isinstance(client, RedisCluster)  # its pipelines route by key
+        if not cluster:
+            pipe.time()
         replies: list[Any] = await pipe.execute(raise_on_error=False)
+        now = None if cluster else replies.pop()
+        now_ms = (
+            now[0] * 1000 + now[1] // 1000 if isinstance(now, tuple) else int(time.time() * 1000)
+        )
         for index, key in enumerate(batch):
             value, ttl = replies[2 * index], replies[2 * index + 1]
             if isinstance(value, NoPermissionError):
@@ -115,7 +127,7 @@ async def read_locks(client: RedisClient, keys: Sequence[str]) -> list[Read]:
             if value is None or isinstance(value, BaseException):
                 continue  # gone since the scan, or not a string: no lock of ours
             readable = not isinstance(ttl, NoPermissionError)
-            found.append(Read(key, text(value), ttl if readable else None))
+            found.append(Read(key, text(value), ttl if readable else None, now_ms))
     return found
 
 

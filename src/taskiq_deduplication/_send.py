@@ -11,6 +11,7 @@ refuses it, the lock goes at once.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Final
 
@@ -30,6 +31,8 @@ from taskiq_deduplication._formats import (
     merge_key,
     new_token,
     read_lock_labels,
+    read_lock_value,
+    record_tail,
     write_lock_labels,
 )
 from taskiq_deduplication._pending import PendingSend
@@ -37,7 +40,12 @@ from taskiq_deduplication._policies import RetrySend
 from taskiq_deduplication._store import Acquired, Lock
 from taskiq_deduplication.calls import joining, takes_task_lock
 from taskiq_deduplication.events import LockEventKind
-from taskiq_deduplication.exceptions import REDIS_ERRORS, DuplicateTaskError, InvalidSettingError
+from taskiq_deduplication.exceptions import (
+    REDIS_ERRORS,
+    UNSENT_HOLDER,
+    DuplicateTaskError,
+    InvalidSettingError,
+)
 
 if TYPE_CHECKING:
     from taskiq import BrokerMessage
@@ -113,6 +121,8 @@ class Sends:
                 self._outcome(LockEventKind.OFF, message, key, holder_id)
                 return self._without_lock(message, running, key, send)
             raise self._refusal(message, key, acquired.holder, acquired, digest=digest, send=send)
+        if acquired.token is not None:  # its record's time is the server's
+            lock = dataclasses.replace(lock, token=acquired.token)
         if earlier is not None:
             logger.debug(
                 "Retry of task %s (%s) took over lock %r", message.task_name, message.task_id, key
@@ -140,7 +150,9 @@ class Sends:
         if send is None or send.ended:
             return  # sent without a lock, or its run ended the lock already
         lock = send.lock
-        if not send.extends and send.merged_key is None:
+        # A lock this send took tells that a broker accepted it (the extension
+        # says so), even one whose TTL the extension leaves as it is.
+        if not send.extends and send.merged_key is None and not send.taken:
             return
         state = self._states.get() or await self._states.current()
         if send.merged_key is not None:
@@ -148,7 +160,7 @@ class Sends:
             ttl_ms = lock.ttl_ms if send.extends else 0
             await state.locks.accepted_detached(lock, send.merged_key, ttl_ms)
         else:
-            await state.locks.extend_detached(lock)
+            await state.locks.extend_detached(lock, ttl_ms=None if send.extends else 0)
 
     def refused(self, message: BrokerMessage, error: Exception) -> None:
         """Release at once the lock of a send of this process that the broker refused.
@@ -237,6 +249,10 @@ class Sends:
                 arguments=self._serialise_arguments(message) if merging else b"",
                 fence_key=fence_key(prefix) if fenced else None,
                 task_name=message.task_name if merging else "",
+                record=record_tail(
+                    send.policy.name,
+                    message.task_name if self._options.record_task_name else None,
+                ),
             )
         except REDIS_ERRORS as exc:
             if not self._options.fail_open:
@@ -326,9 +342,13 @@ class Sends:
         holder_id = holder_task_id(holder)
         same = keys.same_arguments(holder, digest, send)
         merged = acquired.merged
-        # A holder that merges calls says whether a broker has accepted it yet.
-        pending = acquired.pending
-        state = ", whose send the broker has not accepted yet" if pending else ""
+        # The holder's record says whether a broker has accepted its send (a
+        # holder that merges calls says it with its merged arguments too).
+        record = read_lock_value(holder)
+        sent = record.sent if record is not None else None
+        if acquired.pending:
+            sent = False
+        state = f", {UNSENT_HOLDER}" if sent is False else ""
         if merged:
             logger.info(
                 "Task %s (%s) not sent: its arguments replaced those of task %s, "
@@ -359,7 +379,7 @@ class Sends:
                     key,
                     " (its own arguments differ)" if same is False else "",
                 )
-                self._outcome(LockEventKind.JOINED, message, key, holder_id)
+                self._outcome(LockEventKind.JOINED, message, key, holder_id, holder_sent=sent)
             else:
                 logger.log(
                     logging.DEBUG if handled else logging.WARNING,
@@ -371,27 +391,37 @@ class Sends:
                     key,
                     " with other arguments" if same is False else "",
                 )
-                self._outcome(LockEventKind.DUPLICATE, message, key, holder_id)
+                self._outcome(LockEventKind.DUPLICATE, message, key, holder_id, holder_sent=sent)
         return DuplicateTaskError(
             message.task_name,
             key,
             holder_id,
             merged=merged,
             same_arguments=same,
+            holder_sent=sent,
         )
 
-    def _outcome(
+    def _outcome(  # noqa: PLR0913 (the fields of an event, each named)
         self,
         kind: LockEventKind,
         message: TaskiqMessage,
         key: str | None,
         holder: str | None,
         error: BaseException | None = None,
+        *,
+        holder_sent: bool | None = None,
     ) -> None:
         """Tell subscribers (and the send span) what became of ``message``'s send."""
         if self._events.active:  # checked first: every send comes this way
             self._events.emit(
-                kind, message.task_name, message.task_id, key, holder, error=error, message=message
+                kind,
+                message.task_name,
+                message.task_id,
+                key,
+                holder,
+                error=error,
+                message=message,
+                holder_sent=holder_sent,
             )
 
     def _serialise_arguments(self, message: TaskiqMessage) -> bytes:

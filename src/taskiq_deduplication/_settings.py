@@ -354,6 +354,10 @@ class Options(Protocol):
     def broker(self) -> AsyncBroker:
         """The broker the middleware is registered on."""
 
+    @property
+    def record_task_name(self) -> bool:
+        """Whether each lock records its task's name."""
+
 
 # Parsers, each shared by an option and a label where both exist
 

@@ -53,7 +53,8 @@ class Lock:
     task_id: str
     ttl_ms: int
     value: str = field(init=False, repr=False, compare=False)
-    """The lock's value in Redis: ``"<owner token> <task_id>"``."""
+    """The lock's value: ``"<owner token> <task_id>"``, as the message's owner
+    label carries it (in Redis, ``"!"`` follows it until the send is accepted)."""
 
     def __post_init__(self) -> None:
         """Compute the value once: a heartbeat tick sends it for every running task."""
@@ -66,6 +67,9 @@ class Acquired:
 
     holder: str | None
     """``None`` when the lock is now this send's, else the holder's value."""
+    token: str | None = None
+    """When the lock is now this send's: its owner token as the script wrote it,
+    the lock's record included (the time is the server's)."""
     fence: int | None = None
     """The fence drawn for this send, if it asked for one and took the lock."""
     merged: bool = False
@@ -93,9 +97,6 @@ class Claimed:
     arguments: bytes | None = None
     """The latest merged arguments, serialised, if there were any to claim."""
 
-
-#: A lock taken with nothing besides it (the common case: no allocation).
-_TAKEN: Final = Acquired(None)
 
 # The first element of claim.lua's reply besides an outcome or a debounce's wait.
 _WAIT_FOR_RUN: Final = 3
@@ -177,6 +178,7 @@ class LockStore:
         arguments: bytes = b"",
         fence_key: str | None = None,
         task_name: str = "",
+        record: str = "",
         undo_late: bool = True,
     ) -> Acquired:
         """Take ``lock`` for ``ttl_ms`` milliseconds; one script, one round trip.
@@ -195,6 +197,8 @@ class LockStore:
             fence_key: The counter to draw a fence from, for a task that takes one.
             task_name: The task's name, for a task that merges: calls merge only
                 into a message of the same task.
+            record: The lock's record after the time (`record_tail`), or
+                ``""`` for a lock without one; see `Acquired.token`.
             undo_late: Whether to undo an acquire that may land late (off for
                 a tick sent without its lock: a late lock only holds back the
                 other replicas).
@@ -202,9 +206,11 @@ class LockStore:
         try:
             if merge_key is None and fence_key is None:
                 reply = await self._pipeline.call(
-                    self._acquire, [lock.key], [lock.token, lock.task_id, ttl_ms, replaces]
+                    self._acquire, [lock.key], [lock.token, lock.task_id, ttl_ms, replaces, record]
                 )
-                return _TAKEN if reply is None else Acquired(text(reply))
+                if isinstance(reply, list):
+                    return Acquired(None, token=text(reply[0]))
+                return Acquired(text(reply))
             keys = _keys_of(lock, merge_key, fence_key)
             args: list[str | int] = [
                 lock.token,
@@ -216,14 +222,15 @@ class LockStore:
                 lock.ttl_ms,
                 int(bool(replaces)),
                 task_name,
+                record,
             ]
-            status, value = await self._pipeline.call(self._acquire_with, keys, args)
+            status, value, *taken = await self._pipeline.call(self._acquire_with, keys, args)
         except (RedisTimeoutError, asyncio.TimeoutError, asyncio.CancelledError) as exc:
             if undo_late and not (isinstance(exc, CallTimeoutError) and not exc.sent):
                 self.release_detached(lock)
             raise
         if status == 1:
-            return Acquired(None, fence=int(value) or None)
+            return Acquired(None, token=text(taken[0]), fence=int(value) or None)
         return Acquired(
             text(value),
             merged=status == 2,  # noqa: PLR2004 (the script's reply)
@@ -317,14 +324,18 @@ class LockStore:
         """Whether ``lock`` is still held by its owner: one round trip."""
         return bool(await self._pipeline.call(self._held, [lock.key], [lock.value]))
 
-    async def extend_detached(self, lock: Lock) -> None:
+    async def extend_detached(self, lock: Lock, *, ttl_ms: int | None = None) -> None:
         """Give ``lock`` its full TTL if still owned, without waiting for the reply.
+
+        It also marks the lock's send accepted by a broker (a lock with a
+        record). ``ttl_ms`` 0 leaves its TTL as it is and only marks it.
 
         The command is on its way to Redis when this returns (when the pipeline
         is idle), so it is not lost if the process ends right after a ``kiq``.
         """
+        ttl = lock.ttl_ms if ttl_ms is None else ttl_ms
         await self._pipeline.send_ahead(
-            self._extend, [lock.key], [lock.token, lock.ttl_ms], f"extend lock {lock.key!r}"
+            self._extend, [lock.key], [lock.token, ttl], f"extend lock {lock.key!r}"
         )
 
     async def accepted_detached(self, lock: Lock, merge_key: str, ttl_ms: int) -> None:

@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 
 from taskiq.abc.cmd import TaskiqCMD
 
+from taskiq_deduplication import _lock_text as text
 from taskiq_deduplication._formats import DEFAULT_PREFIX
 
 if TYPE_CHECKING:
@@ -234,9 +235,9 @@ async def _list(args: argparse.Namespace) -> int:
         found = [lock async for lock in locks.scan(args.match)]
     found.sort(key=lambda lock: lock.key)
     if args.json:
-        _print_json([_as_dict(lock) for lock in found])
+        _print_json([text.as_dict(lock) for lock in found])
     else:
-        _print_table(found)
+        text.print_table(found)
         count = len(found)
         print(f"{count} lock{'' if count == 1 else 's'} under {locks.prefix}:{args.match}")
     _warn_ttl(found)
@@ -252,9 +253,9 @@ async def _show(args: argparse.Namespace) -> int:
             _print_json(None)
         return _fail(ExitCode.NOT_FOUND, _missing(locks, args.key))
     if args.json:
-        _print_json(_as_dict(lock))
+        _print_json(text.as_dict(lock))
     else:
-        _print_lock(lock)
+        text.print_lock(lock)
     return ExitCode.OK
 
 
@@ -284,7 +285,7 @@ async def _release(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(
             [
-                {**_as_dict(lock), "released": done}
+                {**text.as_dict(lock), "released": done}
                 for lock, done in zip(found, released, strict=True)
             ]
         )
@@ -350,14 +351,14 @@ async def _key(args: argparse.Namespace) -> int:
     _warn_ttl([lock] if lock is not None else [])
     if args.json:
         if lock is not None:
-            result |= {**_as_dict(lock), "held": True}
+            result |= {**text.as_dict(lock), "held": True}
         _print_json(result)
     else:
         print(f"task    {task_name}\nkey     {key}")
         if lock is None:
             print("held    no: the call would take this lock now")
         else:
-            print(f"held    yes, by task {lock.holder_task_id}, {_time_left(lock)}")
+            print(f"held    yes, by task {lock.holder_task_id}, {text.time_left(lock)}")
     return ExitCode.OK if lock is not None else ExitCode.NOT_FOUND
 
 
@@ -446,7 +447,7 @@ def _json_argument(option: str, text: str, kind: type[list[Any] | dict[str, Any]
 
 def _confirmed(locks: Sequence[LockInfo]) -> bool:
     """Show ``locks`` and ask, on stderr, whether to release them; read the answer on stdin."""
-    _print_table(locks, file=sys.stderr)
+    text.print_table(locks, file=sys.stderr)
     count = len(locks)
     print(f"Release {count} lock{'' if count == 1 else 's'}? [y/N] ", end="", file=sys.stderr)
     sys.stderr.flush()
@@ -454,48 +455,6 @@ def _confirmed(locks: Sequence[LockInfo]) -> bool:
     if not answer.endswith("\n"):
         print(file=sys.stderr)
     return answer.strip().lower() in {"y", "yes"}
-
-
-def _print_table(locks: Sequence[LockInfo], file: Any = None) -> None:  # noqa: ANN401 (a text stream)
-    if not locks:
-        return
-    rows = [("KEY", "HOLDER TASK ID", "TIME LEFT")] + [
-        (lock.key, lock.holder_task_id or "-", _time_left(lock)) for lock in locks
-    ]
-    widths = [max(len(row[column]) for row in rows) for column in range(2)]
-    for key, holder, left in rows:
-        print(f"{key:<{widths[0]}}  {holder:<{widths[1]}}  {left}", file=file)
-
-
-def _print_lock(lock: LockInfo) -> None:
-    for label, value in (
-        ("key", lock.key),
-        ("name", lock.name or "-"),
-        ("holder task id", lock.holder_task_id or "- (the value is not a lock's)"),
-        ("owner token", lock.owner or "-"),
-        ("time left", _time_left(lock)),
-    ):
-        print(f"{label:<15} {value}")
-
-
-def _time_left(lock: LockInfo) -> str:
-    ttl_ms = _ttl_ms(lock)
-    return "?" if ttl_ms is None else f"{ttl_ms} ms"
-
-
-def _ttl_ms(lock: LockInfo) -> int | None:
-    return None if lock.ttl is None else round(lock.ttl * 1000)
-
-
-def _as_dict(lock: LockInfo) -> dict[str, Any]:
-    """The lock as the JSON output shows it."""
-    return {
-        "key": lock.key,
-        "name": lock.name,
-        "holder_task_id": lock.holder_task_id,
-        "owner_token": lock.owner,
-        "ttl_ms": _ttl_ms(lock),
-    }
 
 
 def _print_json(value: object) -> None:

@@ -102,6 +102,11 @@ class LockEvent:
             `LockEventKind.JOINED` and `LockEventKind.LOST` (``None`` if its
             lock value names no task), ``None`` after the rest.
         error: The Redis error of a `LockEventKind.FAIL_OPEN`, else ``None``.
+        holder_sent: After `LockEventKind.DUPLICATE` and `LockEventKind.JOINED`:
+            whether a broker has accepted the holder's send (``False``: not
+            yet, or never if its process died mid-send, as
+            ``DuplicateTaskError.holder_sent``); ``None`` when its lock does
+            not say (an older version's), and after the rest.
     """
 
     kind: LockEventKind
@@ -110,6 +115,7 @@ class LockEvent:
     key: str | None
     holder_task_id: str | None
     error: BaseException | None = None
+    holder_sent: bool | None = None
 
 
 Subscriber: TypeAlias = Callable[[LockEvent], object]
@@ -179,11 +185,12 @@ class EventSink:
         *,
         error: BaseException | None = None,
         message: TaskiqMessage | None = None,
+        holder_sent: bool | None = None,
     ) -> None:
         """Tell every subscriber that ``kind`` happened; ``message`` is a send's."""
         if not self.active:
             return
-        event = LockEvent(kind, task_name, task_id, key, holder_task_id, error)
+        event = LockEvent(kind, task_name, task_id, key, holder_task_id, error, holder_sent)
         if message is not None and self._send_span is not None:
             _call(self._send_span, message, event)
         for subscriber in self._subscribers:

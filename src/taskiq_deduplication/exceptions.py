@@ -19,6 +19,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 #: refused a command. A cluster client that reaches no node raises
 #: ``RedisClusterException``, which is no ``RedisError``.
 REDIS_ERRORS: Final = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
+#: How a refusal, its log and its event name a holder whose send a broker has
+#: not accepted (yet: or never, if its process died mid-send; then the lock
+#: lasts the grace TTL).
+UNSENT_HOLDER: Final = "whose send the broker has not accepted yet"
 
 
 class DeduplicationError(Exception):
@@ -53,6 +57,12 @@ class DuplicateTaskError(DeduplicationError):
             on the call's fingerprint; for a lock under an explicit key or key
             fields, ``None`` when it cannot be told (a holder sent by an older
             version, or arguments that cannot be fingerprinted).
+        holder_sent (bool | None): Whether a broker has accepted the holder's
+            send. ``False`` while it has not: the holder's ``kiq`` is still
+            between taking the lock and the broker's answer, or its process
+            died there, and then the lock lasts only the grace TTL (10
+            seconds); its task may never run. ``None`` when the lock does not
+            say (taken by an older version).
     """
 
     task_name: str
@@ -60,8 +70,9 @@ class DuplicateTaskError(DeduplicationError):
     holder_task_id: str | None
     merged: bool
     same_arguments: bool | None
+    holder_sent: bool | None
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (what a refusal tells, each named)
         self,
         task_name: str,
         key: str,
@@ -69,6 +80,7 @@ class DuplicateTaskError(DeduplicationError):
         *,
         merged: bool = False,
         same_arguments: bool | None = None,
+        holder_sent: bool | None = None,
     ) -> None:
         """Record which task was rejected and who holds its lock.
 
@@ -78,6 +90,7 @@ class DuplicateTaskError(DeduplicationError):
             holder_task_id: ``task_id`` of the current holder, if known.
             merged: Whether the call was merged into the queued holder.
             same_arguments: Whether the call's arguments equal the holder's, if known.
+            holder_sent: Whether a broker has accepted the holder's send, if known.
         """
         super().__init__(task_name, key, holder_task_id)
         self.task_name = task_name
@@ -85,6 +98,7 @@ class DuplicateTaskError(DeduplicationError):
         self.holder_task_id = holder_task_id
         self.merged = merged
         self.same_arguments = same_arguments
+        self.holder_sent = holder_sent
 
     def __str__(self) -> str:
         """Say which task was rejected, and why."""
@@ -94,7 +108,11 @@ class DuplicateTaskError(DeduplicationError):
                 f"task {self.task_name!r} was merged into {holder}, which is queued with "
                 f"lock {self.key!r} and will run with this call's arguments"
             )
-        return f"task {self.task_name!r} is a duplicate: its lock {self.key!r} is held by {holder}"
+        unsent = f", {UNSENT_HOLDER}" if self.holder_sent is False else ""
+        return (
+            f"task {self.task_name!r} is a duplicate: its lock {self.key!r} is held "
+            f"by {holder}{unsent}"
+        )
 
 
 class InvalidSettingError(DeduplicationError, ValueError):

@@ -37,11 +37,11 @@ from taskiq_deduplication._formats import (
     KEY_SEPARATOR,
     RUN_MARK,
     SUCCEEDED_MARK,
-    holder_task_id,
     key_pattern,
     lock_key,
     lock_name,
     namespace_patterns,
+    read_lock_value,
 )
 from taskiq_deduplication._settings import check_prefix
 from taskiq_deduplication.exceptions import InvalidArgumentError
@@ -68,8 +68,10 @@ SCAN_COUNT: Final = 1000
 class LockInfo:
     """One lock as Redis holds it when it was read.
 
-    A lock records no task name, policy or arguments (they travel on the
-    message): its value is the owner token and the holder's ``task_id``.
+    A lock records when it was taken, its policy, whether a broker accepted its
+    send and, where the middleware records it (``record_task_name``), its
+    task's name; never its arguments (they travel on the message). A lock taken
+    by an older version records none of these: they are ``None``.
     """
 
     key: str
@@ -97,8 +99,22 @@ class LockInfo:
     and the lock stays for ``deduplication_success_ttl``."""
     value: str
     """The raw value, ``"<owner token> <task_id>"`` for a lock of this library
-    (a token under an explicit key ends with a digest of the call's arguments;
-    a run slot that a copy of its task waits on ends with ``" +"``)."""
+    (a token under an explicit key has a digest of the call's arguments, then
+    the lock's record; a run slot that a copy of its task waits on ends with
+    ``" +"``, a lock whose send is not accepted yet with ``"!"``)."""
+    policy: str | None = None
+    """The lock's policy: ``"finished"``, ``"started"`` or ``"expired"``."""
+    taken_at: float | None = None
+    """When the lock was taken, in seconds since the epoch, by the Redis server's clock."""
+    age: float | None = None
+    """Seconds since the lock was taken when it was read (the server's clock
+    where it could be asked, else this machine's)."""
+    sent: bool | None = None
+    """Whether a broker has accepted the holder's send. ``False`` while its
+    ``kiq`` is between taking the lock and the broker's answer, or if its
+    process died there (the lock then goes with the grace TTL, 10 seconds)."""
+    task_name: str | None = None
+    """The holder's task name, where the middleware records it (``record_task_name``)."""
 
 
 class _Task(Protocol):
@@ -356,19 +372,25 @@ class Locks:
         return self._key_of(kicker._prepare_message(*args, **kwargs))  # noqa: SLF001 (taskiq's own way to build the message kiq sends)
 
     def _info(self, read: inspect.Read) -> LockInfo:
-        key, value, ttl = read
-        holder = holder_task_id(value)
-        owner = value.partition(" ")[0] if holder is not None else None
+        key, value, ttl, now_ms = read
+        record = read_lock_value(value)
+        owner = record.owner_token if record is not None else None
+        taken_ms = record.taken_ms if record is not None else None
         return LockInfo(
             key=key,
             name=lock_name(self._prefix, key),
-            holder_task_id=holder,
+            holder_task_id=record.holder_task_id if record is not None else None,
             owner=owner,
             ttl=ttl / 1000 if ttl is not None and ttl >= 0 else None,
             ttl_readable=ttl is not None,
             running=owner is not None and owner.startswith(RUN_MARK),
             succeeded=owner is not None and owner.startswith(SUCCEEDED_MARK),
             value=value,
+            policy=record.policy if record is not None else None,
+            taken_at=taken_ms / 1000 if taken_ms is not None else None,
+            age=max(now_ms - taken_ms, 0) / 1000 if taken_ms is not None else None,
+            sent=record.sent if record is not None else None,
+            task_name=record.task_name if record is not None else None,
         )
 
     async def _client(self) -> RedisClient:

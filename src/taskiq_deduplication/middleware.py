@@ -84,6 +84,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         client: Redis | RedisCluster | None = None,
         metrics: bool = True,
         default_exclusive: bool = True,
+        record_task_name: bool = False,
     ) -> None:
         """Configure the middleware; nothing connects until the broker starts.
 
@@ -130,6 +131,13 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 broker delivered again, a call queued under ``"started"``) waits
                 for it to end or for its lease to lapse; a copy of a run that
                 succeeded does not run its body again.
+            record_task_name: Whether each lock records its task's name, for
+                `taskiq dedup list` and ``show`` to tell. Every lock records
+                when it was taken, its policy and whether a broker accepted its
+                send; the name costs its length in every lock's value (and in
+                the message's owner label): a lock of a 30-character name takes
+                216 bytes instead of 184 on Redis 7 (see
+                [Performance](performance.md)).
 
         Raises:
             ValueError: An option is missing, of the wrong type or out of range.
@@ -156,6 +164,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         self.default_until = policy.name
         self.default_success_ttl = settings.check_success_ttl(default_success_ttl)
         self.default_exclusive = settings.check_bool("default_exclusive", default_exclusive)
+        self.record_task_name = settings.check_bool("record_task_name", record_task_name)
         self._defaults = settings.Defaults(
             enabled=self.default_deduplication,
             ttl=self.default_ttl,

@@ -180,7 +180,8 @@ async def _limit(bench: Bench) -> AsyncIterator[Kick]:
     token, task_id = "0123456789abcdef", "0" * 32
 
     async def kick(n: int) -> object:
-        return await script(keys=[f"{prefix}:{n}"], args=[token, task_id, 10_000, ""])
+        # As a send takes its lock: with its record ("f": the default policy).
+        return await script(keys=[f"{prefix}:{n}"], args=[token, task_id, 10_000, "", "f"])
 
     try:
         yield kick
@@ -749,7 +750,7 @@ async def limit(bench: Bench) -> Results:
     source = resources.files("taskiq_deduplication").joinpath("lua/acquire.lua").read_text("utf-8")
     script = client.register_script(source)
     prefix = bench.prefix("P")
-    args: list[str | int] = ["0123456789abcdef", "0" * 32, 10_000, ""]
+    args: list[str | int] = ["0123456789abcdef", "0" * 32, 10_000, "", "f"]
 
     async def pipeline(n: int) -> object:
         pipe = client.pipeline(transaction=False)

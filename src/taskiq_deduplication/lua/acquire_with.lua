@@ -15,6 +15,9 @@
 -- ARGV[8]      "1" when this send is a retry: it runs as soon as it is delivered,
 --              and never merges into another send's arguments
 -- ARGV[9]      the task's name, for a task that merges
+-- ARGV[10]     the lock's record after the time, as for acquire.lua ("" or nothing: none)
+--
+-- The lock's value is written as acquire.lua writes it.
 --
 -- The merge key is a hash: args (the latest arguments), task (the task's
 -- name), first and last (the server's time in ms of the first and the latest
@@ -24,20 +27,31 @@
 -- its own task that a broker has accepted: several tasks may share a key, and
 -- a message the broker refuses never runs.
 --
--- Returns {1, fence} when the lock is now this send's (fence 0 without one),
+-- Returns {1, fence, token} when the lock is now this send's (fence 0 without one),
 -- {2, holder} when the call was merged into the queued holder's arguments,
 -- {3, holder} when the holder merges calls but the broker has not accepted its
 -- message yet, or {0, holder} when another send holds the lock. Run twice for the same send (a
 -- batch resent after a dropped connection), it takes the lock both times,
 -- with a new fence the second time.
-local value = ARGV[1] .. ' ' .. ARGV[2]
 local current = redis.call('GET', KEYS[1])
 local merging = ARGV[5] ~= ''
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
-if current and current ~= value and current ~= ARGV[4] and current ~= ARGV[4] .. ' +' then
+local token = ARGV[1]
+local value = token .. ' ' .. ARGV[2]
+local record = ARGV[10] or ''
+if record ~= '' then
+  if current and string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. '/' then
+    token = string.match(current, '^(%S+) ')
+  else
+    token = ARGV[1] .. '/' .. string.format('%.0f', now_ms()) .. '/' .. record
+  end
+  value = token .. ' ' .. ARGV[2] .. '!'
+end
+if current and current ~= value and current ~= ARGV[4] and current ~= ARGV[4] .. ' +'
+    and current ~= ARGV[4] .. '!' then
   if merging and ARGV[8] ~= '1' and redis.call('EXISTS', KEYS[2]) == 1 then
     local holder = redis.call('HMGET', KEYS[2], 'task', 'pending')
     -- A hash without a task was written by an older version: of this task.
@@ -67,4 +81,4 @@ if merging then
     'pending', 1)
   redis.call('PEXPIRE', KEYS[2], ARGV[7])
 end
-return {1, fence}
+return {1, fence, token}

@@ -8,7 +8,9 @@
 -- KEYS[4]  the run slot of an exclusive run: KEYS[1] itself for the "finished"
 --          policy (its lock is its run slot), else the run key beside the lock;
 --          KEYS[1] again for a run that is not exclusive
--- ARGV[1]  the lock's value as it was sent: "<owner token> <task_id>"
+-- ARGV[1]  the lock's value as it was sent: "<owner token> <task_id>" (a lock
+--          with a record may still have "!" after it: the run begins, so its
+--          send was accepted, and the mark goes)
 -- ARGV[2]  the TTL of the lock (and run slot) while the task runs or waits, in ms
 -- ARGV[3]  the debounce's quiet period in ms (0: no debounce)
 -- ARGV[4]  the debounce's maximum wait in ms (0: none)
@@ -46,6 +48,10 @@ local run = ARGV[8]
 local exclusive = run ~= ''
 local task = string.match(value, '^%S+ (%S+)')
 local current = redis.call('GET', KEYS[1])
+if current and current == value .. '!' then
+  redis.call('SET', KEYS[1], value, 'KEEPTTL')
+  current = value
+end
 
 if exclusive then
   local slot = current

@@ -4,9 +4,10 @@
 -- ARGV[1]  the lock's value: "<owner token> <task_id>"
 --
 -- Returns 1 when the lock's value is ARGV[1] (with " +" after it when a copy of
--- the run waits for it), else 0 (expired, or another holder).
+-- the run waits for it, or "!" while its send is not known to be accepted),
+-- else 0 (expired, or another holder).
 local current = redis.call('GET', KEYS[1])
-if current == ARGV[1] or current == ARGV[1] .. ' +' then
+if current == ARGV[1] or current == ARGV[1] .. ' +' or current == ARGV[1] .. '!' then
   return 1
 end
 return 0

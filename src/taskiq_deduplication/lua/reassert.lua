@@ -7,7 +7,9 @@
 --
 -- Returns one entry per key: 1 refreshed, 2 taken back, or the value of the
 -- lock that another send now holds (left untouched). A value with " +" after
--- it (an exclusive run that a copy of its task waits for) is still the lock's.
+-- it (an exclusive run that a copy of its task waits for) is still the lock's,
+-- and so is one with "!" (its send not marked accepted yet): it runs, so it
+-- was, and the mark goes.
 local ttl = ARGV[1]
 local results = {}
 for i, key in ipairs(KEYS) do
@@ -18,6 +20,9 @@ for i, key in ipairs(KEYS) do
     results[i] = 2
   elseif current == value or current == value .. ' +' then
     redis.call('PEXPIRE', key, ttl)
+    results[i] = 1
+  elseif current == value .. '!' then
+    redis.call('SET', key, value, 'PX', ttl)
     results[i] = 1
   else
     results[i] = current

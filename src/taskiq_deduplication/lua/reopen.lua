@@ -11,7 +11,8 @@
 -- it runs as soon as it is delivered), pending until sent.lua says that the
 -- broker accepted the retry, and lives as long as the lock. The lock itself is
 -- not touched. Returns 1 when written, 0 when the lock is no longer the retry's.
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+local current = redis.call('GET', KEYS[1])
+if current ~= ARGV[1] and current ~= ARGV[1] .. '!' then
   return 0
 end
 local t = redis.call('TIME')

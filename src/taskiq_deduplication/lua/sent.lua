@@ -1,5 +1,6 @@
 -- The broker accepted the message of a task that merges its calls: give its
--- lock the full TTL and let later calls merge into it.
+-- lock the full TTL and let later calls merge into it. A lock with a record
+-- loses its "!" (not accepted yet).
 --
 -- KEYS[1]  the lock key
 -- KEYS[2]  the merge key
@@ -12,6 +13,9 @@
 local current = redis.call('GET', KEYS[1])
 if not (current and string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. ' ') then
   return 0
+end
+if string.sub(current, -1) == '!' and string.find(ARGV[1], '/', 1, true) then
+  redis.call('SET', KEYS[1], string.sub(current, 1, -2), 'KEEPTTL')
 end
 if ARGV[2] ~= '0' then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
