@@ -16,17 +16,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from taskiq_deduplication._redis_wire import Command, Transport, open_transport
+from taskiq_deduplication._lock_call import Call, Drops, backlog_full, command, encode, timed_out
+from taskiq_deduplication._redis_wire import Transport, open_transport
 from taskiq_deduplication.exceptions import (
-    BacklogFullError,
-    CallTimeoutError,
     PipelineClosedError,
     UnencodableCallError,
 )
@@ -45,26 +43,6 @@ logger = logging.getLogger("taskiq_deduplication.pipeline")
 _MAX_BATCH: Final = 512
 # Most calls waiting to be sent; more would only wait past their deadline.
 MAX_QUEUED: Final = 10_000
-# Seconds between two warnings about calls dropped because the queue was full.
-_DROP_WARNING_INTERVAL: Final = 10.0
-
-
-@dataclass(eq=False, slots=True)
-class _Call:
-    script: AsyncScript
-    keys: Sequence[bytes]
-    args: Sequence[bytes | int]
-    """Encoded when the call is made: text Redis cannot take fails this call alone."""
-    future: asyncio.Future[Any] | None
-    """Where the reply goes, or ``None`` for a call nobody waits for."""
-    deadline: float
-    """Event-loop time after which nobody waits for the reply, nor needs it sent."""
-    what: str = ""
-    """What the call does, for the log, when nobody waits for it."""
-    written: bool = False
-    """It went out at least once, so it may have run in Redis."""
-    by_body: bool = False
-    """Send it with EVAL: the server lost the script once while it was on the way."""
 
 
 class Pipeline:
@@ -112,20 +90,19 @@ class Pipeline:
         self._encoding: tuple[str, str] = (encoder.encoding, encoder.encoding_errors)
         self._detached_timeout = max(detached_timeout, timeout)
         self._transport: Transport = open_transport(client, round_trip)
-        self._queue: deque[_Call] = deque()
-        self._written: list[_Call] = []  # sent ahead; their replies are still to be read
+        self._queue: deque[Call] = deque()
+        self._written: list[Call] = []  # sent ahead; their replies are still to be read
         # The calls someone waits for, not yet answered, in the order they were
         # made. They all wait `timeout`, so this is also the order of their
         # deadlines: one timer, for the oldest, serves them all.
-        self._waiting: deque[_Call] = deque()
+        self._waiting: deque[Call] = deque()
         self._expiry: asyncio.TimerHandle | None = None
         self._busy = False
         self._closed = False
         self._sender: asyncio.Task[None] | None = None
         self._flush: asyncio.TimerHandle | None = None  # ends the wait of lingering calls
         self._last_lingering = float("-inf")  # when the last call that may linger came
-        self._dropped = 0  # calls nobody waits for, dropped since the last warning
-        self._next_drop_warning = 0.0
+        self._drops = Drops()  # calls nobody waits for, dropped when the queue is full
 
     @property
     def queued(self) -> int:
@@ -156,11 +133,11 @@ class Pipeline:
             BacklogFullError: Too many calls wait already.
             redis.exceptions.RedisError: Redis failed otherwise.
         """
-        encoded_keys, encoded_args = self._encode(keys, args)
+        encoded_keys, encoded_args = encode(self._encoding, keys, args)
         loop = asyncio.get_running_loop()
         now = loop.time()
         future: asyncio.Future[Any] = loop.create_future()
-        self._admit(_Call(script, encoded_keys, encoded_args, future, now + self.timeout), loop)
+        self._admit(Call(script, encoded_keys, encoded_args, future, now + self.timeout), loop)
         if linger:
             # Only a call that follows another one that could linger closely
             # waits: a lone run's start and end go at once, as every call does.
@@ -186,14 +163,14 @@ class Pipeline:
     async def call_many(self, calls: Sequence[ScriptCall]) -> list[Any]:
         """Send several script calls, all in the same batch, and return their replies."""
         if len(self._queue) + len(calls) > MAX_QUEUED:
-            raise self._backlog_full()
-        encoded = [(script, *self._encode(keys, args)) for script, keys, args in calls]
+            raise backlog_full(len(self._queue))
+        encoded = [(script, *encode(self._encoding, keys, args)) for script, keys, args in calls]
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
         futures: list[asyncio.Future[Any]] = []
         for script, keys, args in encoded:
             futures.append(loop.create_future())
-            self._admit(_Call(script, keys, args, futures[-1], deadline), loop)
+            self._admit(Call(script, keys, args, futures[-1], deadline), loop)
         try:
             if not self._busy and self._transport.ready and futures:
                 await self._send_batch(inline=True)
@@ -218,7 +195,7 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         if encoded is not None and self._admit_detached(what, loop):
             self._queue.append(
-                _Call(script, *encoded, None, loop.time() + self._detached_timeout, what)
+                Call(script, *encoded, None, loop.time() + self._detached_timeout, what)
             )
             loop.call_soon(self._send_backlog)
 
@@ -233,13 +210,11 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         if encoded is None or not self._admit_detached(what, loop):
             return
-        self._queue.append(
-            _Call(script, *encoded, None, loop.time() + self._detached_timeout, what)
-        )
+        self._queue.append(Call(script, *encoded, None, loop.time() + self._detached_timeout, what))
         if not self._busy and self._transport.writes_ahead and self._transport.ready:
             # All that is queued: its replies are read in one go with the next batch.
             calls = self._take_batch(loop.time(), len(self._queue))
-            if self._transport.write_now([_command(call) for call in calls]):
+            if self._transport.write_now([command(call) for call in calls]):
                 # On the wire without a turn of the event loop. Its reply is
                 # read by the next batch: the next call, often made in this very
                 # loop iteration, or else the background sender, soon.
@@ -254,7 +229,7 @@ class Pipeline:
             for call in calls:
                 call.written = True
             try:
-                await self._transport.write([_command(call) for call in calls])
+                await self._transport.write([command(call) for call in calls])
             except BaseException as exc:
                 # The connection is gone, and with it the replies of anything
                 # written ahead before: all of it goes the ordinary way, which
@@ -322,61 +297,27 @@ class Pipeline:
 
     # Admission and expiry
 
-    def _encode(
-        self, keys: Sequence[str], args: Sequence[str | int]
-    ) -> tuple[tuple[bytes, ...], tuple[bytes | int, ...]]:
-        """A call's keys and arguments as the connection sends them, encoded now.
-
-        Encoded when the call is made, not when its batch is packed: a key that
-        the client cannot encode (a lone surrogate, as ``os.fsdecode`` gives for
-        a file name that is not UTF-8) fails its own call here, and never the
-        batch it would have shared with other calls.
-
-        Raises:
-            UnencodableCallError: A key or argument cannot be encoded.
-        """
-        encoding, errors = self._encoding
-        try:
-            return (
-                tuple(key.encode(encoding, errors) for key in keys),
-                tuple(a.encode(encoding, errors) if isinstance(a, str) else a for a in args),
-            )
-        except UnicodeEncodeError as exc:
-            # The text itself is not logged: an argument may be a task's arguments.
-            msg = (
-                f"a deduplication lock call cannot be sent: a key or an argument is not "
-                f"text that the Redis client can encode as {encoding!r} ({exc.reason} at "
-                f"position {exc.start})"
-            )
-            raise UnencodableCallError(msg) from None
-
     def _encode_detached(
         self, keys: Sequence[str], args: Sequence[str | int], what: str
     ) -> tuple[tuple[bytes, ...], tuple[bytes | int, ...]] | None:
-        """`_encode` for a call nobody waits for: a failure is logged as ``what``."""
+        """`encode` for a call nobody waits for: a failure is logged as ``what``."""
         try:
-            return self._encode(keys, args)
+            return encode(self._encoding, keys, args)
         except UnencodableCallError as exc:
             logger.warning("Could not %s: %s", what, exc)
             return None
 
-    def _admit(self, call: _Call, loop: asyncio.AbstractEventLoop) -> None:
+    def _admit(self, call: Call, loop: asyncio.AbstractEventLoop) -> None:
         """Queue a call someone waits for, or fail it at once."""
         if self._closed:
             msg = "the deduplication lock pipeline is closed"
             raise PipelineClosedError(msg)
         if len(self._queue) >= MAX_QUEUED:
-            raise self._backlog_full()
+            raise backlog_full(len(self._queue))
         self._queue.append(call)
         self._waiting.append(call)
         if self._expiry is None:
             self._expiry = loop.call_at(call.deadline, self._expire)
-
-    def _backlog_full(self) -> BacklogFullError:
-        return BacklogFullError(
-            f"the Redis backlog is full: {len(self._queue)} deduplication lock calls "
-            f"wait for Redis already (it is slow or not answering)"
-        )
 
     def _admit_detached(self, what: str, loop: asyncio.AbstractEventLoop) -> bool:
         """Whether a call nobody waits for may be queued; if not, say so in the log."""
@@ -385,18 +326,7 @@ class Pipeline:
             return False
         if len(self._queue) < MAX_QUEUED:
             return True
-        # Once per interval, not once per call: an outage drops them by thousands.
-        self._dropped += 1
-        now = loop.time()
-        if now >= self._next_drop_warning:
-            logger.warning(
-                "The Redis backlog is full (%d lock calls waiting): dropped %d lock "
-                "extension(s) or release(s); their locks expire on their TTL",
-                len(self._queue),
-                self._dropped,
-            )
-            self._dropped = 0
-            self._next_drop_warning = now + _DROP_WARNING_INTERVAL
+        self._drops.drop(len(self._queue), loop.time())
         return False
 
     def _expire(self) -> None:
@@ -410,7 +340,7 @@ class Pipeline:
             if future is not None and not future.done():
                 if call.deadline > now:
                     break
-                future.set_exception(self._timeout(call))
+                future.set_exception(timed_out(call, self.timeout))
             waiting.popleft()
         # Expired calls at the head of the queue go now, not with the next batch:
         # during an outage that batch may be a socket timeout away.
@@ -419,24 +349,14 @@ class Pipeline:
             self._drop_expired(queue.popleft())
         self._expiry = loop.call_at(waiting[0].deadline, self._expire) if waiting else None
 
-    def _timeout(self, call: _Call, cause: BaseException | None = None) -> CallTimeoutError:
-        if call.written:
-            message = f"no reply from Redis to a deduplication lock call within {self.timeout:g}s"
-        else:
-            message = f"a deduplication lock call could not be sent within {self.timeout:g}s"
-        message += " (the client's socket_timeout)"
-        if cause is not None:
-            message += f": {cause}"
-        return CallTimeoutError(message, sent=call.written)
-
-    def _drop_expired(self, call: _Call) -> None:
+    def _drop_expired(self, call: Call) -> None:
         """Drop a call that was never sent and whose deadline passed."""
         if call.future is None:
             logger.debug("Not sending %s: nobody needs it any more", call.what)
         elif not call.future.done():
-            call.future.set_exception(self._timeout(call))
+            call.future.set_exception(timed_out(call, self.timeout))
 
-    def _take_batch(self, now: float, most: int = _MAX_BATCH) -> list[_Call]:
+    def _take_batch(self, now: float, most: int = _MAX_BATCH) -> list[Call]:
         """The next calls to send, in order, without those that expired unsent.
 
         A call dropped here never ran in Redis, so leaving it out keeps the
@@ -445,7 +365,7 @@ class Pipeline:
         whatever its deadline: what it did must not be left half-ordered.
         """
         queue = self._queue
-        batch: list[_Call] = []
+        batch: list[Call] = []
         while queue and len(batch) < most:
             call = queue.popleft()
             if call.deadline <= now and not call.written:
@@ -454,7 +374,7 @@ class Pipeline:
                 batch.append(call)
         return batch
 
-    def _resend(self, lost: list[_Call]) -> None:
+    def _resend(self, lost: list[Call]) -> None:
         """Put calls whose replies were lost back at the head of the queue, in order."""
         if self._closed:
             self._abandon(lost)
@@ -475,7 +395,7 @@ class Pipeline:
         self._queue.clear()
         self._abandon(lost)
 
-    def _abandon(self, calls: list[_Call]) -> None:
+    def _abandon(self, calls: list[Call]) -> None:
         detached = 0
         for call in calls:
             if call.future is None:
@@ -540,13 +460,13 @@ class Pipeline:
             self._send_backlog()
         self._settle(calls[: len(replies)], replies)
 
-    def _failure(self, call: _Call, error: Exception) -> Exception:
+    def _failure(self, call: Call, error: Exception) -> Exception:
         """The error for a call that failed before it was sent."""
         if isinstance(error, (RedisTimeoutError, asyncio.TimeoutError)):
-            return self._timeout(call, error)
+            return timed_out(call, self.timeout, error)
         return error
 
-    async def _send(self, calls: list[_Call], written: int, *, inline: bool) -> list[Any]:
+    async def _send(self, calls: list[Call], written: int, *, inline: bool) -> list[Any]:
         """Send ``calls[written:]`` and read the replies to all of ``calls``.
 
         Returns the replies to the first calls, in order; the calls after them,
@@ -555,7 +475,7 @@ class Pipeline:
         for call in calls[written:]:
             call.written = True
         try:
-            replies = await self._transport.execute([_command(call) for call in calls[written:]])
+            replies = await self._transport.execute([command(call) for call in calls[written:]])
         except RedisConnectionError:
             if inline:
                 # The connection broke (a restarted server, a cut). The
@@ -567,14 +487,14 @@ class Pipeline:
             # once and send everything again, the calls written ahead too. Every
             # lock script is idempotent for its owner, so a call that may have
             # run already can safely run again.
-            replies = await self._transport.execute([_command(call) for call in calls])
+            replies = await self._transport.execute([command(call) for call in calls])
         for index, reply in enumerate(replies):
             if isinstance(reply, NoScriptError):
                 self._run_again_by_body(calls[index:])
                 return replies[:index]
         return replies
 
-    def _run_again_by_body(self, calls: list[_Call]) -> None:
+    def _run_again_by_body(self, calls: list[Call]) -> None:
         """Send again, in order and with EVAL, the calls from the first NOSCRIPT on.
 
         The server lost its script cache (a restart, a failover, SCRIPT FLUSH).
@@ -600,7 +520,7 @@ class Pipeline:
             call.by_body = True
         self._resend(calls)
 
-    def _settle(self, calls: list[_Call], replies: list[Any]) -> None:
+    def _settle(self, calls: list[Call], replies: list[Any]) -> None:
         for call, reply in zip(calls, replies, strict=True):
             if call.future is None:
                 if isinstance(reply, BaseException):
@@ -620,12 +540,6 @@ class Pipeline:
 
 ScriptCall = tuple["AsyncScript", "Sequence[str]", "Sequence[str | int]"]
 """A script, its keys and its arguments."""
-
-
-def _command(call: _Call) -> Command:
-    if call.by_body:
-        return ("EVAL", call.script.script, len(call.keys), *call.keys, *call.args)
-    return ("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
 
 
 def text(reply: bytes | str) -> str:

@@ -5,7 +5,7 @@ of a send and gives it its full TTL once the broker has the message;
 `_run.py` does what the lock's policy says at a run's start and end. The
 mechanics live next door: `_settings.py` reads the options and the labels,
 `_fingerprint.py`, `_keys.py` and `_formats.py` make the key and the value,
-`_store.py` and `_pipeline.py` talk to Redis, `_heartbeat.py` refreshes locks,
+`_store.py`, `_pipeline.py` and `_redis_wire.py` talk to Redis, `_heartbeat.py` refreshes locks,
 `_execution.py` follows a run and `_loops.py` keeps a state per event loop
 (`docs/how-it-works.md` maps them all).
 """
