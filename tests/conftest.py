@@ -224,11 +224,18 @@ def cluster_client(nodes: Cluster) -> RedisCluster:
     return RedisCluster.from_url(nodes.url, decode_responses=True)
 
 
-def primary_client(watched: Sentinels) -> redis.asyncio.Redis:
-    """The client the docs recommend: the sentinels' current primary, short timeouts."""
+def primary_client(watched: Sentinels, *, socket_timeout: float = 0.5) -> redis.asyncio.Redis:
+    """The client the docs recommend: the sentinels' current primary, short timeouts.
+
+    ``socket_timeout`` is also the middleware's budget for a lock call, from
+    the moment it is made (see ``docs/reliability.md``).
+    """
     sentinel = Sentinel(watched.addresses, socket_timeout=0.5)  # type: ignore[no-untyped-call]
     client: redis.asyncio.Redis = sentinel.master_for(
-        watched.service, socket_timeout=0.5, socket_connect_timeout=0.5, decode_responses=True
+        watched.service,
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=0.5,
+        decode_responses=True,
     )
     return client
 
