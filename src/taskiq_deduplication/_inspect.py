@@ -18,6 +18,7 @@ from redis.crc import key_slot
 from redis.exceptions import NoPermissionError
 
 from taskiq_deduplication._formats import belonging_keys
+from taskiq_deduplication.exceptions import InvalidArgumentError
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Sequence
@@ -97,6 +98,50 @@ async def scan(
             yield [text(key) for key in keys]
         if int(cursor) == 0:
             return
+
+
+async def scan_step(
+    client: RedisClient, pattern: str, position: str | None, count: int
+) -> tuple[list[str], str | None]:
+    """One ``SCAN`` call from ``position``: the keys it found and the position after it.
+
+    A position is the server's cursor, or on a cluster ``"<primary>.<cursor>"``
+    with the primaries in the order of their names; ``None`` is the start, and
+    the position after the last call is ``None`` too.
+
+    Raises:
+        InvalidArgumentError: ``position`` is not one a scan step returned.
+    """
+    if not isinstance(client, RedisCluster):
+        cursor, keys = await client.scan(
+            _cursor(position or "0", position), match=pattern, count=count
+        )
+        return [text(key) for key in keys], (str(cursor) if int(cursor) else None)
+    nodes = sorted(client.get_primaries(), key=lambda node: node.name)
+    index_text, dot, cursor_text = (position or "0.0").partition(".")
+    index = _cursor(index_text, position)
+    if not dot or index >= len(nodes):
+        raise _bad_position(position)
+    node = nodes[index]
+    reply: Any = await client.scan(
+        _cursor(cursor_text, position), match=pattern, count=count, target_nodes=node
+    )
+    cursors, keys = reply
+    cursor = int(cursors[node.name])
+    if cursor == 0:
+        index, cursor = index + 1, 0
+    after = f"{index}.{cursor}" if index < len(nodes) else None
+    return [text(key) for key in keys], after
+
+
+def _cursor(digits: str, position: str | None) -> int:
+    if not digits.isdigit() or not digits.isascii():
+        raise _bad_position(position)
+    return int(digits)
+
+
+def _bad_position(position: str | None) -> InvalidArgumentError:
+    return InvalidArgumentError(f"cursor {position!r}: not one that a page of locks returned")
 
 
 async def read_locks(client: RedisClient, keys: Sequence[str]) -> list[Read]:

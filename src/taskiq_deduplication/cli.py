@@ -8,6 +8,7 @@ group as ``taskiq worker`` and ``taskiq scheduler`` are::
     taskiq dedup release [KEY ...] [--match GLOB] [--yes] [--app ... | --prefix P] [--url URL]
     taskiq dedup key MODULE:BROKER TASK_NAME [--args JSON] [--kwargs JSON] [--labels JSON]
     taskiq dedup key --app MODULE:BROKER TASK_NAME [...]
+    taskiq dedup web [--app MODULE:BROKER | --prefix P] [--url URL] [--host H] [--port N]
 
 ``--app`` imports the application's broker and reads the Redis URL and the key
 prefix from its deduplication middleware. ``--url`` overrides the URL; without
@@ -196,7 +197,21 @@ def _parser() -> _Parser:
     key.add_argument("--labels", default="{}", metavar="JSON", help="labels of the call")
     key.add_argument("--url", help="Redis URL to look in (default: the middleware's own)")
     key.set_defaults(run=_key)
-    for sub in (parser, listing, show, release, key):
+
+    web = commands.add_parser(
+        "web",
+        parents=[redis],
+        help="serve the locks page (needs the extra [web])",
+        description="Serve the locks page (taskiq_deduplication.web) until Ctrl-C. "
+        "With --app it also computes the key a call would take.",
+    )
+    web.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    web.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    web.add_argument(
+        "--allow-release", action="store_true", help="offer releases (read-only without it)"
+    )
+    web.set_defaults(run=_web)
+    for sub in (parser, listing, show, release, key, web):
         sub.formatter_class = argparse.RawDescriptionHelpFormatter
     return parser
 
@@ -360,6 +375,30 @@ async def _key(args: argparse.Namespace) -> int:
         else:
             print(f"held    yes, by task {lock.holder_task_id}, {text.time_left(lock)}")
     return ExitCode.OK if lock is not None else ExitCode.NOT_FOUND
+
+
+async def _web(args: argparse.Namespace) -> int:
+    where = _where(args)
+    try:
+        import uvicorn  # noqa: PLC0415 (see the docstring)
+
+        from taskiq_deduplication.web import locks_app  # noqa: PLC0415
+    except ImportError as exc:
+        raise _UsageError(f"{exc.name or exc}: install taskiq-dedup[web]") from None
+    url = args.url or (None if where.middleware is not None else os.environ.get("REDIS_URL"))
+    if url:
+        async with _opened(args, where):  # the URL is checked before the server starts
+            pass
+        app = locks_app(url, prefix=where.prefix, allow_release=args.allow_release)
+    elif where.middleware is not None:
+        app = locks_app(where.middleware, allow_release=args.allow_release)
+    else:
+        raise _UsageError("no Redis URL: pass --url or --app, or set REDIS_URL")
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    prefix = where.prefix or DEFAULT_PREFIX
+    _say(f"serving the locks under {prefix} at http://{args.host}:{args.port}/ (Ctrl-C stops)")
+    await uvicorn.Server(config).serve()
+    return ExitCode.OK
 
 
 # What the commands share

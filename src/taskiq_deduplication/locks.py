@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fnmatch
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
@@ -281,6 +282,57 @@ class Locks:
                 lock = self._info(read)
                 if holder_task_id is None or lock.holder_task_id == holder_task_id:
                     yield lock
+
+    async def page(
+        self,
+        match: str = "*",
+        *,
+        cursor: str | None = None,
+        limit: int = 50,
+        task_name: str | None = None,
+        max_scans: int = 100,
+    ) -> tuple[list[LockInfo], str | None]:
+        """A page of the locks whose name matches ``match``, and the cursor of the next.
+
+        The pages cross the keyspace as ``SCAN`` does (on a cluster, one primary
+        after the other), so a large one is read a page at a time: pass the
+        cursor a page returned to read the next. A page ends with the ``SCAN``
+        call that brings it to ``limit`` locks, so it may hold a few more; it
+        holds fewer if ``max_scans`` calls found fewer (a rare ``task_name`` in
+        a large keyspace), and then the next page goes on from there.
+
+        Args:
+            match: A glob over the lock's name, as for ``scan``.
+            cursor: Where to go on, as a page returned it; ``None``: from the start.
+            limit: The locks a page should hold.
+            task_name: Only the locks whose recorded task name is this
+                (``record_task_name``); a glob in Python's ``fnmatch`` syntax.
+            max_scans: The most ``SCAN`` calls a page makes.
+
+        Returns:
+            The page's locks, in no order, and the cursor of the next page
+            (``None``: this was the last).
+
+        Raises:
+            InvalidArgumentError: ``cursor`` is not one a page returned, or
+                ``limit`` or ``max_scans`` is below 1.
+            redis.exceptions.RedisError: Redis failed, or the user may not run ``SCAN`` or ``GET``.
+        """
+        if limit < 1 or max_scans < 1:
+            msg = f"limit={limit!r}, max_scans={max_scans!r}: both must be 1 or more"
+            raise InvalidArgumentError(msg)
+        client = await self._client()
+        pattern = key_pattern(self._prefix, match)
+        found: list[LockInfo] = []
+        for _ in range(max_scans):
+            keys, cursor = await inspect.scan_step(client, pattern, cursor, max(limit, 100))
+            for read in await inspect.read_locks(client, keys):
+                lock = self._info(read)
+                if task_name is None or fnmatch.fnmatchcase(lock.task_name or "", task_name):
+                    found.append(lock)
+            if cursor is None or len(found) >= limit:
+                break
+        return found, cursor
 
     # Releasing
 

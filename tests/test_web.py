@@ -1,0 +1,489 @@
+"""The locks page over HTTP (``taskiq_deduplication.web``), through its ASGI app.
+
+What a browser does with it (the countdown, a click through a release) is in
+``test_web_browser.py``; here every page, form and JSON answer is asked of the
+app directly, as a browser or a script would send it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import re
+import subprocess
+import sys
+from typing import TYPE_CHECKING, Annotated, Any
+
+import httpx
+import pytest
+from fastapi import Depends, FastAPI
+from starlette.exceptions import HTTPException
+
+from taskiq_deduplication import InvalidArgumentError
+from taskiq_deduplication.web import Action, locks_app
+from tests._brokers import HoldingBroker
+from tests.conftest import BrokerFactory, all_topologies, dedup_middleware, lock_keys
+
+if TYPE_CHECKING:
+    import redis.asyncio
+    from starlette.requests import Request
+    from starlette.types import ASGIApp
+
+CARD = "4242-card-number"  # an argument no page may show
+HOST = "http://testserver"
+
+
+def client(app: ASGIApp) -> httpx.AsyncClient:
+    """A client of ``app`` as a browser on its own origin would be."""
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=HOST)
+
+
+async def token(browser: httpx.AsyncClient, path: str = "/") -> str:
+    """Open a page, as a browser does before it posts a form: the form token is its cookie."""
+    await browser.get(path)
+    found = browser.cookies.get("taskiq_dedup_csrf")
+    assert found
+    return found
+
+
+def confirmed_locks(page: str) -> list[str]:
+    """What the confirmation page's form sends: the owner and key of each lock."""
+    return [html.unescape(value) for value in re.findall(r'name="lock" value="([^"]*)"', page)]
+
+
+@pytest.fixture
+async def held(make_broker: BrokerFactory) -> tuple[HoldingBroker, Any]:
+    """A broker whose queue keeps its messages (their locks stay), and a task ``charge``."""
+    broker = await make_broker(broker_class=HoldingBroker, record_task_name=True)
+
+    @broker.task(deduplication_key_fields=["order"])
+    async def charge(order: str, card: str) -> None: ...
+
+    return broker, charge
+
+
+async def test_every_page_shows_a_lock_a_kiq_took_and_never_its_arguments(
+    held: tuple[HoldingBroker, Any],
+) -> None:
+    broker, charge = held
+    sent = await charge.kiq(order="A-1", card=CARD)
+    middleware = dedup_middleware(broker)
+    app = locks_app(middleware, allow_release=True)
+    async with client(app) as browser:
+        listing = await browser.get("/")
+        assert listing.status_code == 200
+        [lock] = [lock async for lock in middleware.locks.scan()]
+        for shown in (lock.key, charge.task_name, sent.task_id, "finished"):
+            assert html.escape(shown) in listing.text
+        pages = [
+            listing,
+            await browser.get("/lock", params={"key": lock.key}),
+            await browser.get("/release", params={"key": lock.key}),
+            await browser.get("/api/locks"),
+            await browser.get("/api/lock", params={"key": lock.key}),
+            await browser.post(
+                "/key",
+                data={
+                    "csrf": await token(browser),
+                    "task": charge.task_name,
+                    "kwargs": f'{{"order": "A-1", "card": "{CARD}"}}',
+                },
+            ),
+            await browser.post(
+                "/api/key",
+                json={"task_name": charge.task_name, "kwargs": {"order": "A-1", "card": CARD}},
+            ),
+        ]
+    assert [page.status_code for page in pages] == [200] * len(pages)
+    for page in pages:
+        assert CARD not in page.text
+    assert lock.key in pages[-2].text  # the key page answered with the key
+    assert pages[-1].json()["lock"]["holder_task_id"] == sent.task_id
+
+
+async def test_the_filter_narrows_by_name_and_by_task(make_broker: BrokerFactory) -> None:
+    broker = await make_broker(broker_class=HoldingBroker, record_task_name=True)
+
+    @broker.task(deduplication_key="report-daily")
+    async def daily() -> None: ...
+
+    @broker.task(deduplication_key="report-weekly")
+    async def weekly() -> None: ...
+
+    @broker.task(deduplication_key="export-all")
+    async def export() -> None: ...
+
+    for task in (daily, weekly, export):
+        await task.kiq()
+    async with client(locks_app(dedup_middleware(broker))) as browser:
+
+        async def names(**query: str) -> set[str]:
+            answer = await browser.get("/api/locks", params=query)
+            return {lock["name"] for lock in answer.json()["locks"]}
+
+        assert await names() == {"report-daily", "report-weekly", "export-all"}
+        assert await names(match="report-*") == {"report-daily", "report-weekly"}
+        assert await names(task=weekly.task_name) == {"report-weekly"}
+        assert await names(task="*:export") == {"export-all"}
+        page = await browser.get("/", params={"match": "report-*", "task": daily.task_name})
+    assert "report-daily" in page.text
+    assert "report-weekly" not in page.text
+    assert "export-all" not in page.text
+
+
+async def test_a_task_filter_over_locks_without_task_names_says_why_nothing_matches(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)  # record_task_name off
+
+    @broker.task
+    async def job() -> None: ...
+
+    await job.kiq()
+    async with client(locks_app(dedup_middleware(broker))) as browser:
+        page = await browser.get("/", params={"task": job.task_name})
+    assert "No lock on this page matches." in page.text
+    assert "record_task_name=True" in page.text
+
+
+@all_topologies()
+async def test_pages_cross_a_large_keyspace_with_scan(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task
+    async def job(n: int) -> None: ...
+
+    await asyncio.gather(*(job.kiq(n) for n in range(230)))
+    seen: list[str] = []
+    pages = 0
+    async with client(locks_app(dedup_middleware(broker), page_size=50)) as browser:
+        cursor: str | None = ""
+        while cursor is not None:
+            answer = (await browser.get("/api/locks", params={"cursor": cursor})).json()
+            seen += [lock["key"] for lock in answer["locks"]]
+            cursor, pages = answer["cursor"], pages + 1
+        first = await browser.get("/")
+        [next_link] = re.findall(r'<a class="next" href="([^"]+)"', first.text)
+        second = await browser.get(html.unescape(next_link))
+    assert set(seen) == set(await lock_keys(redis_client, prefix))
+    assert len(set(seen)) == 230
+    assert pages >= 3  # paged, not read whole
+    assert second.status_code == 200
+    assert second.text.count('href="/lock?key=') >= 1
+
+
+async def test_the_list_sorts_by_age_or_by_time_left(make_broker: BrokerFactory) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+    order = []
+    for ttl in (120, 30, 300):
+
+        @broker.task(task_name=f"job-{ttl}", deduplication_ttl=ttl)
+        async def job() -> None: ...
+
+        order.append((await job.kiq()).task_id)
+        await asyncio.sleep(0.01)  # an age apart
+    async with client(locks_app(dedup_middleware(broker))) as browser:
+
+        async def holders(sort: str) -> list[str]:
+            answer = await browser.get("/api/locks", params={"sort": sort})
+            return [lock["holder_task_id"] for lock in answer.json()["locks"]]
+
+        assert await holders("age") == order  # the oldest first
+        assert await holders("ttl") == [order[1], order[0], order[2]]  # 30 s, 120 s, 300 s
+        refused = await browser.get("/", params={"sort": "size"})
+    assert refused.status_code == 400
+    assert "sort=&#x27;size&#x27;: one of age, ttl, key" in refused.text
+
+
+async def test_a_release_asks_first_then_removes_the_lock(
+    held: tuple[HoldingBroker, Any], redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker, charge = held
+    await charge.kiq(order="A-1", card=CARD)
+    [key] = await lock_keys(redis_client, prefix)
+    async with client(locks_app(dedup_middleware(broker), allow_release=True)) as browser:
+        listing = await browser.get("/")
+        assert f'href="/release?key={key.replace(":", "%3A")}"' in listing.text
+        asked = await browser.get("/release", params={"key": key})
+        assert "Release 1 lock?" in asked.text
+        assert await lock_keys(redis_client, prefix) == [key]  # asking released nothing
+        done = await browser.post(
+            "/release", data={"csrf": await token(browser), "lock": confirmed_locks(asked.text)}
+        )
+    assert done.status_code == 200
+    assert f"<code>{html.escape(key)}</code>: released" in done.text
+    assert await lock_keys(redis_client, prefix) == []
+    await charge.kiq(order="A-1", card=CARD)  # the call can be sent again
+
+
+async def test_a_release_leaves_a_lock_that_another_send_took_since_it_was_asked(
+    held: tuple[HoldingBroker, Any], redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker, charge = held
+    first = await charge.kiq(order="A-1", card=CARD)
+    [key] = await lock_keys(redis_client, prefix)
+    middleware = dedup_middleware(broker)
+    async with client(locks_app(middleware, allow_release=True)) as browser:
+        asked = await browser.get("/release", params={"key": key})
+        assert await middleware.locks.release(key)  # released elsewhere meanwhile...
+        second = await charge.kiq(order="A-1", card=CARD)  # ...and taken by a new send
+        done = await browser.post(
+            "/release", data={"csrf": await token(browser), "lock": confirmed_locks(asked.text)}
+        )
+    assert "not released: another send holds it now" in done.text
+    lock = await middleware.locks.get(key)
+    assert lock is not None
+    assert lock.holder_task_id == second.task_id != first.task_id
+
+
+async def test_a_read_only_app_offers_no_release_and_refuses_one(
+    held: tuple[HoldingBroker, Any], redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker, charge = held
+    await charge.kiq(order="A-1", card=CARD)
+    [key] = await lock_keys(redis_client, prefix)
+    middleware = dedup_middleware(broker)
+    lock = await middleware.locks.get(key)
+    assert lock is not None
+    async with client(locks_app(middleware)) as browser:
+        pages = [await browser.get("/"), await browser.get("/lock", params={"key": key})]
+        asked = await browser.get("/release", params={"key": key})
+        posted = await browser.post(
+            "/release", data={"csrf": await token(browser), "lock": f"{lock.owner} {key}"}
+        )
+    for page in pages:
+        assert page.status_code == 200
+        assert "Release" not in page.text
+        assert 'type="checkbox"' not in page.text
+    assert (asked.status_code, posted.status_code) == (403, 403)
+    assert "read-only" in posted.text
+    assert await lock_keys(redis_client, prefix) == [key]
+
+
+@pytest.mark.parametrize(
+    ("headers", "form_token", "status"),
+    [
+        pytest.param({"sec-fetch-site": "cross-site"}, True, 403, id="another site's page"),
+        pytest.param({"sec-fetch-site": "same-site"}, True, 403, id="a sibling subdomain"),
+        pytest.param({"origin": "http://evil.example"}, True, 403, id="another origin"),
+        pytest.param({"origin": "null"}, True, 403, id="an opaque origin"),
+        pytest.param({}, False, 403, id="no form token"),
+        pytest.param({"content-type": "application/json"}, True, 415, id="not a form"),
+        pytest.param({"sec-fetch-site": "same-origin", "origin": HOST}, True, 200, id="its own"),
+    ],
+)
+async def test_a_post_from_anywhere_but_the_apps_own_page_is_refused(
+    held: tuple[HoldingBroker, Any],
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+    headers: dict[str, str],
+    form_token: bool,
+    status: int,
+) -> None:
+    broker, charge = held
+    await charge.kiq(order="A-1", card=CARD)
+    [key] = await lock_keys(redis_client, prefix)
+    lock = await dedup_middleware(broker).locks.get(key)
+    assert lock is not None
+    async with client(locks_app(dedup_middleware(broker), allow_release=True)) as browser:
+        real = await token(browser)
+        body = f"csrf={real if form_token else 'guessed'}&lock={lock.owner}+{key}"
+        answer = await browser.post(
+            "/release",
+            content=body,
+            headers={"content-type": "application/x-www-form-urlencoded", **headers},
+        )
+    assert answer.status_code == status
+    assert (await lock_keys(redis_client, prefix) == []) is (status == 200)
+
+
+async def test_the_authorize_hook_decides_what_each_request_may_do(
+    held: tuple[HoldingBroker, Any], redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker, charge = held
+    await charge.kiq(order="A-1", card=CARD)
+    [key] = await lock_keys(redis_client, prefix)
+    asked: list[tuple[str, Action]] = []
+
+    async def viewers_only(request: Request, action: Action) -> bool:
+        asked.append((request.url.path, action))
+        if "user" not in request.headers:
+            raise HTTPException(401, headers={"WWW-Authenticate": 'Basic realm="locks"'})
+        return action == "view"
+
+    app = locks_app(dedup_middleware(broker), allow_release=True, authorize=viewers_only)
+    async with client(app) as browser:
+        anonymous = await browser.get("/api/locks")
+        browser.headers["user"] = "ops"
+        viewed = await browser.get("/")
+        confirmed = await browser.get("/release", params={"key": key})
+        posted = await browser.post("/release", data={"csrf": await token(browser), "lock": "x y"})
+    assert anonymous.status_code == 401
+    assert anonymous.headers["www-authenticate"] == 'Basic realm="locks"'
+    assert (viewed.status_code, confirmed.status_code, posted.status_code) == (200, 200, 403)
+    assert ("/release", "release") in asked
+    assert await lock_keys(redis_client, prefix) == [key]
+
+
+async def test_a_key_that_holds_markup_is_shown_as_text(make_broker: BrokerFactory) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task(deduplication_key='<script>alert("x")</script>')
+    async def job() -> None: ...
+
+    await job.kiq()
+    async with client(locks_app(dedup_middleware(broker), allow_release=True)) as browser:
+        listing = await browser.get("/")
+        [lock] = (await browser.get("/api/locks")).json()["locks"]
+        shown = await browser.get("/lock", params={"key": lock["key"]})
+    for page in (listing, shown):
+        assert "<script>alert" not in page.text
+        assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;" in page.text
+    assert "default-src 'none'; script-src 'self'" in listing.headers["content-security-policy"]
+
+
+async def test_the_key_page_computes_the_key_kiq_takes(
+    held: tuple[HoldingBroker, Any], redis_url: str
+) -> None:
+    broker, charge = held
+    middleware = dedup_middleware(broker)
+    expected = middleware.locks.key_for(charge, order="A-1", card="x")
+    async with client(locks_app(middleware)) as browser:
+        form = await browser.get("/key")
+        csrf = await token(browser)
+        free = await browser.post(
+            "/key", data={"csrf": csrf, "task": charge.task_name, "kwargs": '{"order": "A-1"}'}
+        )
+        sent = await charge.kiq(order="A-1", card="y")
+        taken = await browser.post(
+            "/key", data={"csrf": csrf, "task": charge.task_name, "kwargs": '{"order": "A-1"}'}
+        )
+        bad = await browser.post("/key", data={"csrf": csrf, "task": charge.task_name, "args": "{"})
+        unknown = await browser.post("/key", data={"csrf": csrf, "task": "nope"})
+        by_script = await browser.post(
+            "/api/key", json={"task_name": charge.task_name, "kwargs": {"order": "A-1"}}
+        )
+        as_form = await browser.post("/api/key", data={"task_name": charge.task_name})
+    assert f'<option value="{charge.task_name}"' in form.text
+    assert expected is not None
+    assert f"<code>{expected}</code>. Nobody holds it" in free.text
+    assert f"Held by task <code>{sent.task_id}</code>" in taken.text
+    assert (bad.status_code, unknown.status_code) == (400, 404)
+    assert "args: not JSON" in bad.text
+    assert by_script.json()["key"] == expected
+    assert by_script.json()["lock"]["holder_task_id"] == sent.task_id
+    assert as_form.status_code == 415
+    async with client(locks_app(redis_url, prefix=middleware.key_prefix)) as browser:
+        from_url = await browser.get("/key")
+    assert "cannot compute a call's key" in from_url.text
+
+
+async def test_mounted_in_fastapi_its_links_and_cookie_stay_under_the_mount(
+    held: tuple[HoldingBroker, Any],
+) -> None:
+    broker, charge = held
+    await charge.kiq(order="A-1", card=CARD)
+    checked: list[str] = []
+
+    def admin(request: Request, action: Action) -> bool:
+        checked.append(action)
+        return request.headers.get("x-role") == "admin"
+
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health(role: Annotated[str, Depends(lambda: "ok")]) -> dict[str, str]:
+        return {"status": role}
+
+    app.mount(
+        "/admin/locks", locks_app(dedup_middleware(broker), allow_release=True, authorize=admin)
+    )
+    async with client(app) as browser:
+        refused = await browser.get("/admin/locks/")
+        browser.headers["x-role"] = "admin"
+        listing = await browser.get("/admin/locks/")
+        style = await browser.get("/admin/locks/assets/locks.css")
+        script = await browser.get("/admin/locks/assets/locks.js")
+        links = re.findall(r'(?:href|src)="([^"]+)"', listing.text)
+        followed = [await browser.get(html.unescape(link)) for link in links]
+        actions = re.findall(r'action="([^"]+)"', listing.text)
+        healthy = await browser.get("/health")
+    assert refused.status_code == 403
+    assert listing.status_code == 200
+    assert links
+    assert all(link.startswith("/admin/locks/") for link in links + actions)
+    assert [page.status_code for page in followed] == [200] * len(followed)
+    assert (style.status_code, script.status_code, healthy.json()) == (200, 200, {"status": "ok"})
+    assert "Path=/admin/locks;" in refused.headers["set-cookie"]
+    assert set(checked) == {"view"}
+
+
+async def test_redis_down_is_said_on_the_page_and_in_json() -> None:
+    app = locks_app("redis://127.0.0.1:1/0?socket_connect_timeout=0.5")
+    async with client(app) as browser:
+        page = await browser.get("/")
+        data = await browser.get("/api/locks")
+    assert (page.status_code, data.status_code) == (503, 503)
+    assert "Redis failed: ConnectionError" in page.text
+    assert data.json()["error"].startswith("Redis failed: ConnectionError")
+
+
+async def test_bad_input_is_named(held: tuple[HoldingBroker, Any]) -> None:
+    broker, _ = held
+    middleware = dedup_middleware(broker)
+    with pytest.raises(InvalidArgumentError, match="page_size=0"):
+        locks_app(middleware, page_size=0)
+    with pytest.raises(InvalidArgumentError, match="prefix: only with a URL"):
+        locks_app(middleware, prefix="other")
+    async with client(locks_app(middleware)) as browser:
+        answers = {
+            "cursor": await browser.get("/api/locks", params={"cursor": "x.7"}),
+            "limit": await browser.get("/api/locks", params={"limit": "-3"}),
+            "key": await browser.get("/lock"),
+            "missing": await browser.get("/api/lock", params={"key": "no-such-lock"}),
+        }
+    assert {name: answer.status_code for name, answer in answers.items()} == {
+        "cursor": 400,
+        "limit": 400,
+        "key": 400,
+        "missing": 404,
+    }
+    assert "not one that a page of locks returned" in answers["cursor"].json()["error"]
+
+
+WITHOUT_THE_EXTRA = """
+import sys
+from importlib.abc import MetaPathFinder
+
+class NotInstalled(MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"starlette", "uvicorn", "fastapi"}:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, NotInstalled())
+import taskiq_deduplication as t
+from taskiq_deduplication.cli import main
+t.RedisDeduplicationMiddleware(redis_url="redis://localhost"), t.Locks
+try:
+    import taskiq_deduplication.web
+except ImportError as exc:
+    print(exc)
+sys.exit(main(["web", "--url", "redis://localhost"]))
+"""
+
+
+def test_without_the_web_extra_the_library_works_and_the_page_says_what_to_install() -> None:
+    shown = subprocess.run(
+        [sys.executable, "-c", WITHOUT_THE_EXTRA],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert shown.stdout.strip() == (
+        "taskiq_deduplication.web needs Starlette: pip install 'taskiq-dedup[web]'"
+    )
+    assert shown.returncode == 2
+    assert "install taskiq-dedup[web]" in shown.stderr
