@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import redis.asyncio
 
-from taskiq_deduplication import DuplicateTaskError, LockInfo, Locks
+from taskiq_deduplication import DuplicateTaskError, InvalidArgumentError, LockInfo, Locks
 from tests._brokers import HoldingBroker
 from tests.conftest import BrokerFactory, dedup_middleware, lock_keys
 
@@ -217,3 +217,26 @@ async def test_purge_deletes_every_key_of_the_prefix_and_no_other(
         assert await redis_client.get(other) == "x"
     finally:
         await redis_client.delete(other)
+
+
+async def test_a_page_of_locks_is_bounded_and_goes_on_where_it_stopped(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task
+    async def job(n: int) -> None: ...
+
+    await asyncio.gather(*(job.kiq(n) for n in range(25)))
+    locks = dedup_middleware(broker).locks
+    one_scan, cursor = await locks.page(limit=1, max_scans=1)
+    assert 1 <= len(one_scan) <= 25
+    rest: list[LockInfo] = []
+    while cursor is not None:
+        page, cursor = await locks.page(cursor=cursor, limit=5)
+        rest += page
+    assert len({lock.key for lock in [*one_scan, *rest]}) == 25
+    with pytest.raises(InvalidArgumentError, match="limit=0, max_scans=1"):
+        await locks.page(limit=0)
+    with pytest.raises(InvalidArgumentError, match="cursor '12x'"):
+        await locks.page(cursor="12x")

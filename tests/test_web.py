@@ -8,8 +8,11 @@ app directly, as a browser or a script would send it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import html
 import re
+import signal
+import socket
 import subprocess
 import sys
 from typing import TYPE_CHECKING, Annotated, Any
@@ -20,8 +23,10 @@ from fastapi import Depends, FastAPI
 from starlette.exceptions import HTTPException
 
 from taskiq_deduplication import InvalidArgumentError
+from taskiq_deduplication.cli import ExitCode
 from taskiq_deduplication.web import Action, locks_app
 from tests._brokers import HoldingBroker
+from tests._cli import dedup, one_line_error, start_dedup
 from tests.conftest import BrokerFactory, all_topologies, dedup_middleware, lock_keys
 
 if TYPE_CHECKING:
@@ -487,3 +492,45 @@ def test_without_the_web_extra_the_library_works_and_the_page_says_what_to_insta
     )
     assert shown.returncode == 2
     assert "install taskiq-dedup[web]" in shown.stderr
+
+
+async def test_taskiq_dedup_web_serves_the_page_until_stopped(
+    held: tuple[HoldingBroker, Any], redis_url: str, prefix: str
+) -> None:
+    _, charge = held
+    await charge.kiq(order="A-1", card=CARD)
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    port = listening.getsockname()[1]
+    listening.close()  # free for the command to take
+    served = await start_dedup("web", "--prefix", prefix, "--port", str(port), REDIS_URL=redis_url)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as browser:
+            for _ in range(300):
+                with contextlib.suppress(httpx.TransportError):
+                    answer = await browser.get("/api/locks")
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                pytest.fail("taskiq dedup web did not answer within 15 s")
+            listing = await browser.get("/")
+            refused = await browser.get("/release", params={"key": f"{prefix}:x"})
+    finally:
+        served.send_signal(signal.SIGINT)
+        _, err = await asyncio.wait_for(served.communicate(), 15)
+    assert [lock["holder_task_id"] is not None for lock in answer.json()["locks"]] == [True]
+    assert listing.status_code == 200
+    assert refused.status_code == 403  # read-only without --allow-release
+    assert f"serving the locks under {prefix} at http://127.0.0.1:{port}/" in err.decode()
+    assert served.returncode == ExitCode.INTERRUPTED  # Ctrl-C, after a graceful shutdown
+
+
+async def test_taskiq_dedup_web_says_what_it_lacks_before_serving() -> None:
+    no_url = await dedup("web")
+    bad_url = await dedup("web", "--url", "redis://127.0.0.1:1/0?socket_connect_timeout=0.5")
+    assert (no_url.status, one_line_error(no_url)) == (
+        2,
+        "taskiq dedup: error: no Redis URL: pass --url or --app, or set REDIS_URL",
+    )
+    assert bad_url.status == 3
+    assert "Redis: ConnectionError" in bad_url.stderr
