@@ -15,14 +15,17 @@ import signal
 import socket
 import subprocess
 import sys
+import uuid
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
 
 import httpx
 import pytest
 from fastapi import Depends, FastAPI
 from starlette.exceptions import HTTPException
+from taskiq import AsyncTaskiqTask
 
-from taskiq_deduplication import InvalidArgumentError
+from taskiq_deduplication import InvalidArgumentError, RedisDeduplicationMiddleware
 from taskiq_deduplication.cli import ExitCode
 from taskiq_deduplication.web import Action, locks_app
 from tests._brokers import HoldingBroker
@@ -65,6 +68,26 @@ async def held(make_broker: BrokerFactory) -> tuple[HoldingBroker, Any]:
     async def charge(order: str, card: str) -> None: ...
 
     return broker, charge
+
+
+@dataclass(frozen=True)
+class Charged:
+    """``charge`` sent once: its lock held while the message waits in the queue."""
+
+    charge: Any
+    middleware: RedisDeduplicationMiddleware
+    key: str
+    sent: AsyncTaskiqTask[None]
+
+
+@pytest.fixture
+async def charged(
+    held: tuple[HoldingBroker, Any], redis_client: redis.asyncio.Redis, prefix: str
+) -> Charged:
+    broker, charge = held
+    sent = await charge.kiq(order="A-1", card=CARD)
+    [key] = await lock_keys(redis_client, prefix)
+    return Charged(charge, dedup_middleware(broker), key, sent)
 
 
 async def test_every_page_shows_a_lock_a_kiq_took_and_never_its_arguments(
@@ -203,15 +226,13 @@ async def test_the_list_sorts_by_age_or_by_time_left(make_broker: BrokerFactory)
 
 
 async def test_a_release_asks_first_then_removes_the_lock(
-    held: tuple[HoldingBroker, Any], redis_client: redis.asyncio.Redis, prefix: str
+    charged: Charged, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker, charge = held
-    await charge.kiq(order="A-1", card=CARD)
-    [key] = await lock_keys(redis_client, prefix)
-    async with client(locks_app(dedup_middleware(broker), allow_release=True)) as browser:
+    charge, key = charged.charge, charged.key
+    async with client(locks_app(charged.middleware, allow_release=True)) as browser:
         listing = await browser.get("/")
-        assert f'href="/release?key={key.replace(":", "%3A")}"' in listing.text
-        asked = await browser.get("/release", params={"key": key})
+        [link] = re.findall(r'<a class="release" href="([^"]+)"', listing.text)
+        asked = await browser.get(html.unescape(link))
         assert "Release 1 lock?" in asked.text
         assert await lock_keys(redis_client, prefix) == [key]  # asking released nothing
         done = await browser.post(
@@ -224,12 +245,9 @@ async def test_a_release_asks_first_then_removes_the_lock(
 
 
 async def test_a_release_leaves_a_lock_that_another_send_took_since_it_was_asked(
-    held: tuple[HoldingBroker, Any], redis_client: redis.asyncio.Redis, prefix: str
+    charged: Charged,
 ) -> None:
-    broker, charge = held
-    first = await charge.kiq(order="A-1", card=CARD)
-    [key] = await lock_keys(redis_client, prefix)
-    middleware = dedup_middleware(broker)
+    charge, key, first, middleware = charged.charge, charged.key, charged.sent, charged.middleware
     async with client(locks_app(middleware, allow_release=True)) as browser:
         asked = await browser.get("/release", params={"key": key})
         assert await middleware.locks.release(key)  # released elsewhere meanwhile...
@@ -244,12 +262,9 @@ async def test_a_release_leaves_a_lock_that_another_send_took_since_it_was_asked
 
 
 async def test_a_read_only_app_offers_no_release_and_refuses_one(
-    held: tuple[HoldingBroker, Any], redis_client: redis.asyncio.Redis, prefix: str
+    charged: Charged, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker, charge = held
-    await charge.kiq(order="A-1", card=CARD)
-    [key] = await lock_keys(redis_client, prefix)
-    middleware = dedup_middleware(broker)
+    key, middleware = charged.key, charged.middleware
     lock = await middleware.locks.get(key)
     assert lock is not None
     async with client(locks_app(middleware)) as browser:
@@ -280,19 +295,17 @@ async def test_a_read_only_app_offers_no_release_and_refuses_one(
     ],
 )
 async def test_a_post_from_anywhere_but_the_apps_own_page_is_refused(
-    held: tuple[HoldingBroker, Any],
+    charged: Charged,
     redis_client: redis.asyncio.Redis,
     prefix: str,
     headers: dict[str, str],
     form_token: bool,
     status: int,
 ) -> None:
-    broker, charge = held
-    await charge.kiq(order="A-1", card=CARD)
-    [key] = await lock_keys(redis_client, prefix)
-    lock = await dedup_middleware(broker).locks.get(key)
+    key = charged.key
+    lock = await charged.middleware.locks.get(key)
     assert lock is not None
-    async with client(locks_app(dedup_middleware(broker), allow_release=True)) as browser:
+    async with client(locks_app(charged.middleware, allow_release=True)) as browser:
         real = await token(browser)
         body = f"csrf={real if form_token else 'guessed'}&lock={lock.owner}+{key}"
         answer = await browser.post(
@@ -305,11 +318,9 @@ async def test_a_post_from_anywhere_but_the_apps_own_page_is_refused(
 
 
 async def test_the_authorize_hook_decides_what_each_request_may_do(
-    held: tuple[HoldingBroker, Any], redis_client: redis.asyncio.Redis, prefix: str
+    charged: Charged, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker, charge = held
-    await charge.kiq(order="A-1", card=CARD)
-    [key] = await lock_keys(redis_client, prefix)
+    key = charged.key
     asked: list[tuple[str, Action]] = []
 
     async def viewers_only(request: Request, action: Action) -> bool:
@@ -318,7 +329,7 @@ async def test_the_authorize_hook_decides_what_each_request_may_do(
             raise HTTPException(401, headers={"WWW-Authenticate": 'Basic realm="locks"'})
         return action == "view"
 
-    app = locks_app(dedup_middleware(broker), allow_release=True, authorize=viewers_only)
+    app = locks_app(charged.middleware, allow_release=True, authorize=viewers_only)
     async with client(app) as browser:
         anonymous = await browser.get("/api/locks")
         browser.headers["user"] = "ops"
@@ -327,7 +338,7 @@ async def test_the_authorize_hook_decides_what_each_request_may_do(
         posted = await browser.post("/release", data={"csrf": await token(browser), "lock": "x y"})
     assert anonymous.status_code == 401
     assert anonymous.headers["www-authenticate"] == 'Basic realm="locks"'
-    assert (viewed.status_code, confirmed.status_code, posted.status_code) == (200, 200, 403)
+    assert (viewed.status_code, confirmed.status_code, posted.status_code) == (200, 403, 403)
     assert ("/release", "release") in asked
     assert await lock_keys(redis_client, prefix) == [key]
 
@@ -386,10 +397,8 @@ async def test_the_key_page_computes_the_key_kiq_takes(
 
 
 async def test_mounted_in_fastapi_its_links_and_cookie_stay_under_the_mount(
-    held: tuple[HoldingBroker, Any],
+    charged: Charged,
 ) -> None:
-    broker, charge = held
-    await charge.kiq(order="A-1", card=CARD)
     checked: list[str] = []
 
     def admin(request: Request, action: Action) -> bool:
@@ -402,9 +411,7 @@ async def test_mounted_in_fastapi_its_links_and_cookie_stay_under_the_mount(
     async def health(role: Annotated[str, Depends(lambda: "ok")]) -> dict[str, str]:
         return {"status": role}
 
-    app.mount(
-        "/admin/locks", locks_app(dedup_middleware(broker), allow_release=True, authorize=admin)
-    )
+    app.mount("/admin/locks", locks_app(charged.middleware, allow_release=True, authorize=admin))
     async with client(app) as browser:
         refused = await browser.get("/admin/locks/")
         browser.headers["x-role"] = "admin"
@@ -422,7 +429,60 @@ async def test_mounted_in_fastapi_its_links_and_cookie_stay_under_the_mount(
     assert [page.status_code for page in followed] == [200] * len(followed)
     assert (style.status_code, script.status_code, healthy.json()) == (200, 200, {"status": "ok"})
     assert "Path=/admin/locks;" in refused.headers["set-cookie"]
-    assert set(checked) == {"view"}
+    assert set(checked) == {"view", "release"}  # the row's release link: its confirmation
+
+
+async def test_a_page_from_a_url_never_reads_or_releases_a_key_of_another_app(
+    redis_url: str, redis_client: redis.asyncio.Redis
+) -> None:
+    other = f"session:{uuid.uuid4().hex}"  # another app's key, with a ':' as a full key has
+    await redis_client.set(other, '{"user": 7, "token": "abc"}', ex=60)
+    try:
+        async with client(locks_app(redis_url, allow_release=True)) as browser:
+            read = await browser.get("/api/lock", params={"key": other})
+            shown = await browser.get("/lock", params={"key": other})
+            asked = await browser.get("/release", params={"key": other})
+            posted = await browser.post(
+                "/release", data={"csrf": await token(browser), "lock": f'{{"user": {other}'}
+            )
+        assert (read.status_code, shown.status_code) == (404, 404)
+        assert "Nothing to release." in asked.text
+        assert "not released" in posted.text
+        assert await redis_client.get(other) is not None
+    finally:
+        await redis_client.delete(other)
+
+
+async def test_a_key_that_is_not_utf8_under_the_prefix_is_shown_and_can_be_released(
+    held: tuple[HoldingBroker, Any], redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker, charge = held
+    await charge.kiq(order="A-1", card=CARD)
+    # Written by another program: the library refuses such a key itself.
+    odd = prefix.encode() + b":caf\xe9-\xff"
+    await redis_client.set(odd, f"tok{'x' * 8} {'0' * 32}", ex=60)
+    async with client(locks_app(dedup_middleware(broker), allow_release=True)) as browser:
+        listing = await browser.get("/")
+        data = await browser.get("/api/locks")
+        links = [
+            html.unescape(link) for link in re.findall(r'href="(/lock\?key=[^"]+)"', listing.text)
+        ]
+        pages = [await browser.get(link) for link in links]
+        asked = await browser.get(
+            "/release",
+            params=[
+                ("key", value) for value in re.findall(r'name="key" value="([^"]+)"', listing.text)
+            ],
+        )
+        done = await browser.post(
+            "/release", data={"csrf": await token(browser), "lock": confirmed_locks(asked.text)}
+        )
+    assert listing.status_code == data.status_code == 200
+    assert f"{prefix}:caf\\xe9-\\xff" in listing.text  # its bytes, as escapes
+    assert len(data.json()["locks"]) == 2
+    assert [page.status_code for page in pages] == [200, 200]
+    assert done.text.count(": released") == 2
+    assert await lock_keys(redis_client, prefix) == []
 
 
 async def test_redis_down_is_said_on_the_page_and_in_json() -> None:
@@ -446,12 +506,22 @@ async def test_bad_input_is_named(held: tuple[HoldingBroker, Any]) -> None:
         answers = {
             "cursor": await browser.get("/api/locks", params={"cursor": "x.7"}),
             "limit": await browser.get("/api/locks", params={"limit": "-3"}),
+            "huge": await browser.get("/api/locks", params={"limit": "1001"}),
+            "long": await browser.get("/api/locks", params={"limit": "9" * 5000}),
+            "deep": await browser.post(
+                "/api/key",
+                content="[" * 100_000,
+                headers={"content-type": "application/json"},
+            ),
             "key": await browser.get("/lock"),
             "missing": await browser.get("/api/lock", params={"key": "no-such-lock"}),
         }
     assert {name: answer.status_code for name, answer in answers.items()} == {
         "cursor": 400,
         "limit": 400,
+        "huge": 400,
+        "long": 400,
+        "deep": 400,
         "key": 400,
         "missing": 404,
     }
@@ -494,16 +564,18 @@ def test_without_the_web_extra_the_library_works_and_the_page_says_what_to_insta
     assert "install taskiq-dedup[web]" in shown.stderr
 
 
+@pytest.mark.parametrize("source", ["url", "app"])
 async def test_taskiq_dedup_web_serves_the_page_until_stopped(
-    held: tuple[HoldingBroker, Any], redis_url: str, prefix: str
+    charged: Charged, redis_url: str, prefix: str, source: str
 ) -> None:
-    _, charge = held
-    await charge.kiq(order="A-1", card=CARD)
     listening = socket.socket()
     listening.bind(("127.0.0.1", 0))
     port = listening.getsockname()[1]
     listening.close()  # free for the command to take
-    served = await start_dedup("web", "--prefix", prefix, "--port", str(port), REDIS_URL=redis_url)
+    where = ["--prefix", prefix] if source == "url" else ["--app", "tests.cli_app:broker"]
+    # The app reads its Redis and prefix from these, as an app reads its settings.
+    env = {"REDIS_URL": redis_url, "DEDUP_CLI_REDIS_URL": redis_url, "DEDUP_CLI_PREFIX": prefix}
+    served = await start_dedup("web", *where, "--port", str(port), "--root-path", "/ops", **env)
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as browser:
             for _ in range(300):
@@ -515,12 +587,18 @@ async def test_taskiq_dedup_web_serves_the_page_until_stopped(
                 pytest.fail("taskiq dedup web did not answer within 15 s")
             listing = await browser.get("/")
             refused = await browser.get("/release", params={"key": f"{prefix}:x"})
+            keyed = await browser.post("/api/key", json={"task_name": "nightly"})
     finally:
         served.send_signal(signal.SIGINT)
         _, err = await asyncio.wait_for(served.communicate(), 15)
-    assert [lock["holder_task_id"] is not None for lock in answer.json()["locks"]] == [True]
+    assert [lock["holder_task_id"] for lock in answer.json()["locks"]] == [charged.sent.task_id]
     assert listing.status_code == 200
+    assert 'href="/ops/lock?key=' in listing.text  # under the proxy's path
     assert refused.status_code == 403  # read-only without --allow-release
+    if source == "app":  # the app's middleware computes keys
+        assert (keyed.status_code, keyed.json()["key"]) == (200, f"{prefix}:nightly-run")
+    else:
+        assert keyed.status_code == 404
     assert f"serving the locks under {prefix} at http://127.0.0.1:{port}/" in err.decode()
     assert served.returncode == ExitCode.INTERRUPTED  # Ctrl-C, after a graceful shutdown
 
@@ -528,9 +606,12 @@ async def test_taskiq_dedup_web_serves_the_page_until_stopped(
 async def test_taskiq_dedup_web_says_what_it_lacks_before_serving() -> None:
     no_url = await dedup("web")
     bad_url = await dedup("web", "--url", "redis://127.0.0.1:1/0?socket_connect_timeout=0.5")
+    both = await dedup("web", "--app", "tests.cli_app:broker", "--url", "redis://x")
     assert (no_url.status, one_line_error(no_url)) == (
         2,
         "taskiq dedup: error: no Redis URL: pass --url or --app, or set REDIS_URL",
     )
     assert bad_url.status == 3
     assert "Redis: ConnectionError" in bad_url.stderr
+    assert both.status == 2
+    assert one_line_error(both).endswith("--url: not with --app, whose middleware the page uses")

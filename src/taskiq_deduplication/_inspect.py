@@ -105,23 +105,25 @@ async def scan_step(
 ) -> tuple[list[str], str | None]:
     """One ``SCAN`` call from ``position``: the keys it found and the position after it.
 
-    A position is the server's cursor, or on a cluster ``"<primary>.<cursor>"``
-    with the primaries in the order of their names; ``None`` is the start, and
-    the position after the last call is ``None`` too.
+    A position is the server's cursor, or on a cluster ``"<primary>@<cursor>"``,
+    the primaries scanned one after the other in the order of their names;
+    ``None`` is the start, and the position after the last call is ``None`` too.
 
     Raises:
-        InvalidArgumentError: ``position`` is not one a scan step returned.
+        InvalidArgumentError: ``position`` is not one a scan step returned, or
+            names a node that is no longer a primary of the cluster.
     """
     if not isinstance(client, RedisCluster):
-        cursor, keys = await client.scan(
-            _cursor(position or "0", position), match=pattern, count=count
-        )
+        start = _cursor(position or "0", position)
+        cursor, keys = await client.scan(start, match=pattern, count=count)
         return [text(key) for key in keys], (str(cursor) if int(cursor) else None)
     nodes = sorted(client.get_primaries(), key=lambda node: node.name)
-    index_text, dot, cursor_text = (position or "0.0").partition(".")
-    index = _cursor(index_text, position)
-    if not dot or index >= len(nodes):
-        raise _bad_position(position)
+    names = [node.name for node in nodes]
+    name, at, cursor_text = (position or f"{names[0]}@0").rpartition("@")
+    if not at or name not in names:
+        msg = f"cursor {position!r}: names no primary of the cluster now (start again)"
+        raise InvalidArgumentError(msg)
+    index = names.index(name)
     node = nodes[index]
     reply: Any = await client.scan(
         _cursor(cursor_text, position), match=pattern, count=count, target_nodes=node
@@ -130,18 +132,16 @@ async def scan_step(
     cursor = int(cursors[node.name])
     if cursor == 0:
         index, cursor = index + 1, 0
-    after = f"{index}.{cursor}" if index < len(nodes) else None
+    after = f"{names[index]}@{cursor}" if index < len(names) else None
     return [text(key) for key in keys], after
 
 
 def _cursor(digits: str, position: str | None) -> int:
-    if not digits.isdigit() or not digits.isascii():
-        raise _bad_position(position)
+    # A SCAN cursor is an unsigned 64-bit number: at most 20 digits.
+    if not digits.isdigit() or not digits.isascii() or len(digits) > 20:  # noqa: PLR2004
+        msg = f"cursor {position!r}: not one that a page of locks returned"
+        raise InvalidArgumentError(msg)
     return int(digits)
-
-
-def _bad_position(position: str | None) -> InvalidArgumentError:
-    return InvalidArgumentError(f"cursor {position!r}: not one that a page of locks returned")
 
 
 async def read_locks(client: RedisClient, keys: Sequence[str]) -> list[Read]:

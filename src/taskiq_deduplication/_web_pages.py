@@ -1,7 +1,10 @@
 """The HTML of the locks page (`web.py`): every page, built from what a lock records.
 
 Every text that comes from Redis or from a request goes through ``_e`` (HTML
-escaping) or ``_q`` (URL quoting): a key may hold any character. Times are
+escaping) or ``_q`` (URL quoting): a key may hold any character, even bytes
+that are not UTF-8 (a key another program wrote under the prefix). A key in a
+link or a form travels as a token (``key_token``), so that such bytes come back
+as they were. Times are
 written once by the server and counted down in the browser by ``locks.js``,
 which the page works without.
 """
@@ -12,7 +15,7 @@ import math
 from dataclasses import dataclass
 from html import escape
 from typing import TYPE_CHECKING, NamedTuple
-from urllib.parse import urlencode
+from urllib.parse import quote, unquote, urlencode
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -60,7 +63,28 @@ class KeyAnswer(NamedTuple):
 
 
 def _e(text: object) -> str:
-    return escape(str(text), quote=True)
+    """``text`` fit for HTML: escaped; a byte that is not UTF-8 shows as a backslash escape."""
+    shown = str(text)
+    try:
+        raw = shown.encode("utf-8", "surrogateescape")  # a key's bytes, as Redis has them
+    except UnicodeEncodeError:
+        raw = shown.encode("utf-8", "backslashreplace")
+    return escape(raw.decode("utf-8", "backslashreplace"), quote=True)
+
+
+def _to(view: View, path: str, key: str) -> str:
+    """The link to the page of ``path`` for the lock at ``key``, fit for an attribute."""
+    return _q(view, path, key=key_token(key))
+
+
+def key_token(key: str) -> str:
+    """A key as a link or a form carries it: percent-encoded, whatever bytes it holds."""
+    return quote(key, safe="", errors="surrogatepass")
+
+
+def key_of_token(token: str) -> str:
+    """The key that ``key_token`` made ``token`` of (a plain key is its own token)."""
+    return unquote(token, errors="surrogatepass")
 
 
 def _q(view: View, path: str, **query: str | None) -> str:
@@ -183,7 +207,7 @@ def _table(view: View, locks: Sequence[LockInfo]) -> str:
     rows = []
     for lock in locks:
         cells = [
-            f'<a href="{_q(view, "/lock", key=lock.key)}">{_e(lock.key)}</a>',
+            f'<a href="{_to(view, "/lock", lock.key)}">{_e(lock.key)}</a>',
             _e(lock.task_name or "-"),
             _e(lock.policy or "-"),
             f"<code>{_e(lock.holder_task_id or '-')}</code>",
@@ -193,10 +217,10 @@ def _table(view: View, locks: Sequence[LockInfo]) -> str:
         ]
         if view.releases:
             box = (
-                f'<input type="checkbox" name="key" value="{_e(lock.key)}" '
+                f'<input type="checkbox" name="key" value="{_e(key_token(lock.key))}" '
                 f'aria-label="select {_e(lock.key)}">'
             )
-            link = f'<a class="release" href="{_q(view, "/release", key=lock.key)}">Release</a>'
+            link = f'<a class="release" href="{_to(view, "/release", lock.key)}">Release</a>'
             cells = [box, *cells, link]
         rows.append("<tr>" + "".join(f"<td>{cell}</td>" for cell in cells) + "</tr>")
     if view.releases:
@@ -239,7 +263,7 @@ def lock_page(view: View, lock: LockInfo) -> str:
     body = "<dl class=lock>" + "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in rows) + "</dl>"
     if view.releases and lock.holder_task_id is not None:
         body += (
-            f'<p><a class="release danger" href="{_q(view, "/release", key=lock.key)}">'
+            f'<p><a class="release danger" href="{_to(view, "/release", lock.key)}">'
             "Release this lock</a></p>"
         )
     return _page(view, "Lock", body)
@@ -255,7 +279,7 @@ def confirm_page(view: View, locks: Sequence[LockInfo], gone: int) -> str:
     if not ours:
         return _page(view, "Release", note + '<p class="empty">Nothing to release.</p>')
     fields = "".join(
-        f'<input type="hidden" name="lock" value="{_e(f"{lock.owner} {lock.key}")}">'
+        f'<input type="hidden" name="lock" value="{_e(f"{lock.owner} {key_token(lock.key)}")}">'
         for lock in ours
     )
     count = len(ours)
@@ -337,7 +361,7 @@ def _key_answer(view: View, answer: KeyAnswer) -> str:
         if answer.lock is None
         else f"Held by task <code>{_e(answer.lock.holder_task_id or '-')}</code>, "
         f"{_time_left(answer.lock)} left. "
-        f'<a href="{_q(view, "/lock", key=answer.key)}">See the lock</a>'
+        f'<a href="{_to(view, "/lock", answer.key)}">See the lock</a>'
     )
     return (
         f'<p class="answer">A call of <code>{_e(answer.task_name)}</code> takes '

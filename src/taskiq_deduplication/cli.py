@@ -8,7 +8,7 @@ group as ``taskiq worker`` and ``taskiq scheduler`` are::
     taskiq dedup release [KEY ...] [--match GLOB] [--yes] [--app ... | --prefix P] [--url URL]
     taskiq dedup key MODULE:BROKER TASK_NAME [--args JSON] [--kwargs JSON] [--labels JSON]
     taskiq dedup key --app MODULE:BROKER TASK_NAME [...]
-    taskiq dedup web [--app MODULE:BROKER | --prefix P] [--url URL] [--host H] [--port N]
+    taskiq dedup web [--app MODULE:BROKER | --url URL [--prefix P]] [--host H] [--port N] [...]
 
 ``--app`` imports the application's broker and reads the Redis URL and the key
 prefix from its deduplication middleware. ``--url`` overrides the URL; without
@@ -210,6 +210,12 @@ def _parser() -> _Parser:
     web.add_argument(
         "--allow-release", action="store_true", help="offer releases (read-only without it)"
     )
+    web.add_argument(
+        "--root-path",
+        default="",
+        metavar="PATH",
+        help="the path a proxy serves the page under (/ops/locks), for its links",
+    )
     web.set_defaults(run=_web)
     for sub in (parser, listing, show, release, key, web):
         sub.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -385,6 +391,9 @@ async def _web(args: argparse.Namespace) -> int:
         from taskiq_deduplication.web import locks_app  # noqa: PLC0415
     except ImportError as exc:
         raise _UsageError(f"{exc.name or exc}: install taskiq-dedup[web]") from None
+    if where.middleware is not None and args.url:
+        msg = "--url: not with --app, whose middleware the page uses"
+        raise _UsageError(msg)
     url = args.url or (None if where.middleware is not None else os.environ.get("REDIS_URL"))
     if url:
         async with _opened(args, where):  # the URL is checked before the server starts
@@ -394,7 +403,9 @@ async def _web(args: argparse.Namespace) -> int:
         app = locks_app(where.middleware, allow_release=args.allow_release)
     else:
         raise _UsageError("no Redis URL: pass --url or --app, or set REDIS_URL")
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, root_path=args.root_path, log_level="warning"
+    )
     prefix = where.prefix or DEFAULT_PREFIX
     _say(f"serving the locks under {prefix} at http://{args.host}:{args.port}/ (Ctrl-C stops)")
     await uvicorn.Server(config).serve()

@@ -43,7 +43,7 @@ from redis.exceptions import RedisError
 
 from taskiq_deduplication import _web_pages as pages
 from taskiq_deduplication.exceptions import DeduplicationError, InvalidArgumentError
-from taskiq_deduplication.locks import LockInfo, Locks
+from taskiq_deduplication.locks import DEFAULT_PREFIX, LockInfo, Locks
 from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
 
 if TYPE_CHECKING:
@@ -62,6 +62,9 @@ _ASSETS: Final = Path(__file__).parent / "_web"
 _CSRF_COOKIE: Final = "taskiq_dedup_csrf"
 _MAX_FORM: Final = 1 << 20  # bytes of a form: far more than a page of checkboxes
 _RELEASED_AT_ONCE: Final = 100
+# The most locks a JSON page may ask for: each SCAN call asks for as many keys,
+# and one that asks for millions holds the server up.
+_MAX_LIMIT: Final = 1000
 _SORTS: Final = ("age", "ttl", "key")
 _HEADERS: Final = {
     # Nothing but the page's own files, no frame around it, and never cached:
@@ -98,18 +101,21 @@ def locks_app(
             ``"release"``) before anything is read; ``False`` answers 403.
             Without it, whoever reaches the app may use it: mount it behind
             your own authentication, or give this.
-        page_size: The locks a page of the list shows (about: see ``Locks.page``).
+        page_size: The locks a page of the list shows (about: see ``Locks.page``),
+            at most 1,000; ``/api/locks?limit=`` asks for another number.
 
     Raises:
         InvalidArgumentError: ``prefix`` with a middleware or ``Locks`` (they
-            have their own), or ``page_size`` below 1.
+            have their own), or ``page_size`` not from 1 to 1,000.
         InvalidSettingError: ``prefix`` cannot be a key prefix (a ``ValueError``).
     """
-    if page_size < 1:
-        raise InvalidArgumentError(f"page_size={page_size!r}: must be 1 or more")
+    if not 1 <= page_size <= _MAX_LIMIT:
+        raise InvalidArgumentError(f"page_size={page_size!r}: must be from 1 to {_MAX_LIMIT}")
     middleware = source if isinstance(source, RedisDeduplicationMiddleware) else None
     if isinstance(source, str):
-        locks = Locks.from_url(source, prefix=prefix)
+        # With the prefix named, a key given to the page is read under it only:
+        # the page never reads (or deletes) a key of another application.
+        locks = Locks.from_url(source, prefix=prefix or DEFAULT_PREFIX)
     elif prefix is not None:
         msg = "prefix: only with a URL; a middleware or Locks has a key prefix of its own"
         raise InvalidArgumentError(msg)
@@ -126,7 +132,8 @@ def locks_app(
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
         yield
-        await locks.aclose()  # a client made from a URL; one given stays open
+        if isinstance(source, str):
+            await locks.aclose()  # the client made here; one given is its owner's
 
     return Starlette(
         routes=[
@@ -181,8 +188,8 @@ class _Site:
 
     async def lock_page(self, request: Request) -> Response:
         async def page(view: pages.View) -> str:
-            key = _one(request.query_params.getlist("key"), "key")
-            lock = await self._locks.get(key)
+            key = pages.key_of_token(_one(request.query_params.getlist("key"), "key"))
+            lock = await self._lock(key)
             if lock is None:
                 raise _RefusedError(404, f"No lock at {key!r} (it may have ended or expired).")
             return pages.lock_page(view, lock)
@@ -213,31 +220,35 @@ class _Site:
                     403, "This page is read-only: it was built without allow_release."
                 )
             if request.method != "POST":
-                keys = request.query_params.getlist("key")
+                keys = [pages.key_of_token(key) for key in request.query_params.getlist("key")]
                 if not keys:
                     raise _RefusedError(400, "Choose the locks to release first.")
-                named = await asyncio.gather(*(self._locks.get(key) for key in keys))
+                if len(keys) > _MAX_LIMIT:
+                    raise _RefusedError(413, f"Release at most {_MAX_LIMIT} locks at once.")
+                named = await asyncio.gather(*(self._lock(key) for key in keys))
                 found = [lock for lock in named if lock is not None]
                 return pages.confirm_page(view, found, len(keys) - len(found))
             form = await _checked_form(request)
             chosen = [_owned(value) for value in form.get("lock", [])]
+            if len(chosen) > _MAX_LIMIT:
+                raise _RefusedError(413, f"Release at most {_MAX_LIMIT} locks at once.")
             released: list[bool] = []
             for start in range(0, len(chosen), _RELEASED_AT_ONCE):
                 batch = chosen[start : start + _RELEASED_AT_ONCE]
                 released += await asyncio.gather(
-                    *(self._locks.release(key, owner=owner) for owner, key in batch)
+                    *(self._release(key, owner) for owner, key in batch)
                 )
             outcome = [(key, done) for (_, key), done in zip(chosen, released, strict=True)]
             return pages.released_page(view, outcome)
 
-        return await self._html(request, "release" if request.method == "POST" else "view", page)
+        return await self._html(request, "release", page)
 
     # The JSON view
 
     async def api_locks(self, request: Request) -> Response:
         async def answer() -> object:
             query = _list_query(request)
-            limit = _number(request.query_params.get("limit"), self._page_size)
+            limit = _limit(request.query_params.get("limit"), self._page_size)
             found, after = await self._page(query, limit)
             return {
                 "prefix": self._locks.prefix,
@@ -250,7 +261,7 @@ class _Site:
     async def api_lock(self, request: Request) -> Response:
         async def answer() -> object:
             key = _one(request.query_params.getlist("key"), "key")
-            lock = await self._locks.get(key)
+            lock = await self._lock(key)
             if lock is None:
                 raise _RefusedError(404, f"no lock at {key!r}")
             return _as_json(lock)
@@ -288,6 +299,15 @@ class _Site:
         )
         return _sorted(found, query.sort), after
 
+    async def _lock(self, key: str) -> LockInfo | None:
+        """The lock at ``key``, a full key or a name under the prefix; never a key outside it."""
+        lock = await self._locks.get(key)
+        return lock if lock is not None and lock.name is not None else None
+
+    async def _release(self, key: str, owner: str) -> bool:
+        lock = await self._lock(key)
+        return lock is not None and await self._locks.release(lock, owner=owner)
+
     def _task_names(self) -> list[str] | None:
         """The broker's tasks, ``None`` where the app cannot compute keys (built from a URL)."""
         broker = getattr(self._middleware, "broker", None)
@@ -304,9 +324,12 @@ class _Site:
         try:
             kicker = task.kicker().with_labels(**call["labels"])
             key = self._locks.key_for(kicker, *call["args"], **call["kwargs"])
-        except (ValueError, TypeError) as exc:
+        except DeduplicationError as exc:  # says what is wrong without a value of the call
             raise _RefusedError(400, f"Task {name!r}: {exc}") from None
-        return key, (None if key is None else await self._locks.get(key))
+        except (ValueError, TypeError) as exc:  # taskiq's, which may quote the arguments
+            msg = f"Task {name!r}: the call does not fit the task ({type(exc).__name__})."
+            raise _RefusedError(400, msg) from None
+        return key, (None if key is None else await self._lock(key))
 
     async def _allowed(self, request: Request, action: Action) -> None:
         if self._authorize is None:
@@ -335,21 +358,33 @@ class _Site:
         response = HTMLResponse(body, status_code=status, headers=_HEADERS)
         if _CSRF_COOKIE not in request.cookies:
             response.set_cookie(
-                _CSRF_COOKIE, token, path=base or "/", httponly=True, samesite="strict"
+                _CSRF_COOKIE,
+                token,
+                path=base or "/",
+                httponly=True,
+                samesite="strict",
+                secure=request.url.scheme == "https",
             )
         return response
 
     async def _json(self, request: Request, answer: Callable[[], Awaitable[object]]) -> Response:
         try:
             await self._allowed(request, "view")
-            return JSONResponse(await answer(), headers=_HEADERS)
+            return _JSONResponse(await answer(), headers=_HEADERS)
         except _RefusedError as refused:
-            return JSONResponse({"error": str(refused)}, refused.status, headers=_HEADERS)
+            return _JSONResponse({"error": str(refused)}, refused.status, headers=_HEADERS)
         except (RedisError, OSError) as exc:
             error = f"Redis failed: {_redis_error(exc)}"
-            return JSONResponse({"error": error}, 503, headers=_HEADERS)
+            return _JSONResponse({"error": error}, 503, headers=_HEADERS)
         except DeduplicationError as exc:
-            return JSONResponse({"error": str(exc)}, 400, headers=_HEADERS)
+            return _JSONResponse({"error": str(exc)}, 400, headers=_HEADERS)
+
+
+class _JSONResponse(JSONResponse):
+    """JSON in ASCII: a key that is not UTF-8 (not one of ours) is escaped, not an error."""
+
+    def render(self, content: object) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
 
 
 def _list_query(request: Request) -> pages.Query:
@@ -370,7 +405,10 @@ def _sorted(locks: Sequence[LockInfo], sort: str) -> list[LockInfo]:
     """The oldest first (``age``), the nearest expiry first (``ttl``), or by key."""
     never = float("inf")
     if sort == "age":
-        return sorted(locks, key=lambda lock: (-(lock.age or -1.0), lock.key))
+        unknown = -1.0  # a lock of an older version records no age: last
+        return sorted(
+            locks, key=lambda lock: (-(unknown if lock.age is None else lock.age), lock.key)
+        )
     if sort == "ttl":
         return sorted(locks, key=lambda lock: (never if lock.ttl is None else lock.ttl, lock.key))
     return sorted(locks, key=lambda lock: lock.key)
@@ -423,16 +461,16 @@ def _one(values: Sequence[str], name: str) -> str:
 
 def _owned(value: str) -> tuple[str, str]:
     """A released lock as the confirmation sent it: ``"<owner token> <key>"``."""
-    owner, space, key = value.partition(" ")
-    if not space or not owner or not key:
+    owner, space, token = value.partition(" ")
+    if not space or not owner or not token:
         raise _RefusedError(400, "lock: not a lock the confirmation named")
-    return owner, key
+    return owner, pages.key_of_token(token)
 
 
 def _json(text: str, field: str, kind: type[list[Any] | dict[str, Any]]) -> Any:  # noqa: ANN401 (a JSON array or object)
     try:
         value = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise _RefusedError(400, f"{field}: not JSON ({exc})") from None
     if not isinstance(value, kind):
         raise _RefusedError(400, f"{field}: expected a JSON {_kind_name(kind)}")
@@ -443,17 +481,24 @@ def _kind_name(kind: type) -> str:
     return "array" if kind is list else "object"
 
 
-def _number(text: str | None, default: int) -> int:
+def _limit(text: str | None, default: int) -> int:
     if text is None:
         return default
-    if not text.isdigit() or not text.isascii() or int(text) < 1:
-        raise _RefusedError(400, f"limit={text!r}: a whole number, 1 or more")
+    digits = text.isdigit() and text.isascii() and len(text) <= len(str(_MAX_LIMIT))
+    if not digits or not 1 <= int(text) <= _MAX_LIMIT:
+        raise _RefusedError(400, f"limit={text!r}: a whole number from 1 to {_MAX_LIMIT}")
     return int(text)
 
 
 def _as_json(lock: LockInfo) -> dict[str, Any]:
-    """A lock's fields, as ``LockInfo`` names them."""
-    return dataclasses.asdict(lock)
+    """A lock's fields, as ``LockInfo`` names them, but for its raw ``value``.
+
+    The value of a key under the prefix that is not a lock of this library
+    (``holder_task_id`` is ``None``) could hold anything; the others say it all.
+    """
+    shown = dataclasses.asdict(lock)
+    del shown["value"]
+    return shown
 
 
 def _redis_error(exc: BaseException) -> str:
