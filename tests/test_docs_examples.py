@@ -52,8 +52,10 @@ EVERY_EXAMPLE = sorted((DOCS / "examples").rglob("*.py"))
 OUTPUTS = sorted((DOCS / "examples").rglob("*.out"))
 PAGES = sorted(DOCS.glob("*.md"))
 
-# Each example finishes in a few seconds; a hung one fails instead of stalling.
-_TIMEOUT = 30
+# Each example finishes in a few seconds (operations.py, which runs the CLI ten
+# times, in 5 s on an idle machine and 30 s on a loaded one); a hung one fails
+# instead of stalling.
+_TIMEOUT = 60
 # How many run at once: fewer in a pytest-xdist worker, whose neighbours use the cores too.
 _PARALLEL = 2 if os.environ.get("PYTEST_XDIST_WORKER") else 4
 _RECORD = os.environ.get("DOCS_EXAMPLES_RECORD") == "1"
@@ -156,6 +158,7 @@ def test_there_are_examples() -> None:
 # One worker runs them all: the fixture starts every example of the session in
 # the background, and a worker that tested only a few would run the rest for nothing.
 @pytest.mark.xdist_group("docs-examples")
+@pytest.mark.timeout(2 * _TIMEOUT)  # its own run, and one it may wait for
 @pytest.mark.parametrize("example", EXAMPLES, ids=[path.name for path in EXAMPLES])
 def test_example_runs(example: Path, example_runs: Runs, redis_url: str) -> None:
     future = example_runs[example]

@@ -63,6 +63,12 @@ app.mount(
 )
 # --8<-- [end:mount]
 
+# --8<-- [start:read-only]
+# An app on an internal network: the page read-only, no login of its own.
+internal = FastAPI(lifespan=lifespan)
+internal.mount("/ops/locks", locks_app(middleware))
+# --8<-- [end:read-only]
+
 
 async def main() -> None:
     async with lifespan(app):
