@@ -27,13 +27,13 @@ import pytest
 import redis.asyncio
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.sentinel import Sentinel
-from taskiq import InMemoryBroker, TaskiqMiddleware
+from taskiq import InMemoryBroker, SimpleRetryMiddleware, SmartRetryMiddleware, TaskiqMiddleware
 
 from taskiq_deduplication import RedisDeduplicationMiddleware
 from taskiq_deduplication._heartbeat import Beat
 from taskiq_deduplication._redis_wire import WIRE_ENV, _lean_fits, _misfit
 from taskiq_deduplication.testing import Deduplication
-from tests._brokers import HoldingBroker
+from tests._brokers import HoldingBroker, retry_middleware
 from tests._server import Server
 from tests.topologies._servers import Cluster, Sentinels
 
@@ -369,6 +369,36 @@ def make_middleware(dedup: Deduplication, topology: Topology) -> MiddlewareFacto
         return dedup.middleware(**options)
 
     return make
+
+
+TestT = TypeVar("TestT", bound=Callable[..., Any])
+
+
+def each_retry_order(test: TestT) -> TestT:
+    """Run ``test`` with each of taskiq's retry middlewares, before and after deduplication.
+
+    The test asks for ``retry_and_dedup``, the two middlewares in the order of its case.
+    """
+    each_class = pytest.mark.parametrize(
+        "retry_class", [SimpleRetryMiddleware, SmartRetryMiddleware]
+    )
+    each_side = pytest.mark.parametrize(
+        "retry_first", [True, False], ids=["retry-first", "dedup-first"]
+    )
+    return each_side(each_class(test))
+
+
+@pytest.fixture
+def retry_and_dedup(
+    make_middleware: MiddlewareFactory, retry_class: type[TaskiqMiddleware], retry_first: bool
+) -> list[TaskiqMiddleware]:
+    """A retry middleware and a deduplication one, in the order of an ``each_retry_order`` case.
+
+    The retry middleware resends at once (``tests/_brokers.py``'s ``retry_middleware``);
+    ``dedup_middleware(broker)`` finds the deduplication one again.
+    """
+    retry, dedup = retry_middleware(retry_class), make_middleware()
+    return [retry, dedup] if retry_first else [dedup, retry]
 
 
 BrokerT = TypeVar("BrokerT", bound=InMemoryBroker)

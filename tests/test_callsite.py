@@ -42,6 +42,7 @@ from tests.conftest import (
     MiddlewareFactory,
     all_topologies,
     dedup_middleware,
+    each_retry_order,
     lock_keys,
     lock_value,
     queued_job,
@@ -283,20 +284,15 @@ async def test_merged_arguments_go_through_the_brokers_serializer(
     assert seen == [{"secret": "s3cr3t", "n": [1, 2]}]
 
 
-@pytest.mark.parametrize("retry_first", [True, False], ids=["retry-first", "dedup-first"])
-@pytest.mark.parametrize("retry_class", [SimpleRetryMiddleware, SmartRetryMiddleware])
+@each_retry_order
 async def test_merges_under_retries_run_the_latest_arguments_and_free_the_lock(
-    make_middleware: MiddlewareFactory,
+    retry_and_dedup: list[TaskiqMiddleware],
     make_broker: BrokerFactory,
     redis_client: redis.asyncio.Redis,
     prefix: str,
-    retry_class: type[TaskiqMiddleware],
-    retry_first: bool,
 ) -> None:
-    retry, dedup = retry_middleware(retry_class), make_middleware()
-    broker = await make_broker(
-        broker_class=HoldingBroker, middlewares=[retry, dedup] if retry_first else [dedup, retry]
-    )
+    broker = await make_broker(broker_class=HoldingBroker, middlewares=retry_and_dedup)
+    dedup = dedup_middleware(broker)
     runs: list[tuple[str, int]] = []
 
     @broker.task(
@@ -536,22 +532,17 @@ async def test_a_fence_needs_a_sender_that_knows_the_task(
     assert answers == [True]
 
 
-@pytest.mark.parametrize("retry_first", [True, False], ids=["retry-first", "dedup-first"])
-@pytest.mark.parametrize("retry_class", [SimpleRetryMiddleware, SmartRetryMiddleware])
+@each_retry_order
 @pytest.mark.parametrize("until", ["finished", "expired"])
 async def test_fences_under_retries(
-    make_middleware: MiddlewareFactory,
+    retry_and_dedup: list[TaskiqMiddleware],
     make_broker: BrokerFactory,
     redis_client: redis.asyncio.Redis,
     prefix: str,
-    retry_class: type[TaskiqMiddleware],
-    retry_first: bool,
     until: str,
 ) -> None:
-    retry, dedup = retry_middleware(retry_class), make_middleware()
-    broker = await make_broker(
-        broker_class=HoldingBroker, middlewares=[retry, dedup] if retry_first else [dedup, retry]
-    )
+    broker = await make_broker(broker_class=HoldingBroker, middlewares=retry_and_dedup)
+    dedup = dedup_middleware(broker)
     fences: list[tuple[int, bool]] = []
 
     @broker.task(retry_on_error=True, deduplication_key="import", deduplication_until=until)

@@ -21,13 +21,14 @@ from taskiq import (
 
 from taskiq_deduplication import DuplicateTaskError
 from taskiq_deduplication._formats import holder_task_id
-from tests._brokers import HoldingBroker, KeptSchedules, retry_middleware
+from tests._brokers import HoldingBroker, KeptSchedules
 from tests._tasks import all_running, held_slow
 from tests.conftest import (
     BrokerFactory,
     MiddlewareFactory,
     all_topologies,
     dedup_middleware,
+    each_retry_order,
     lock_keys,
     lock_value,
     queued_job,
@@ -296,19 +297,15 @@ async def test_one_heartbeat_batch_refreshes_many_running_tasks(
 
 
 @all_topologies()
-@pytest.mark.parametrize("retry_first", [True, False], ids=["retry-first", "dedup-first"])
-@pytest.mark.parametrize("retry_class", [SimpleRetryMiddleware, SmartRetryMiddleware])
+@each_retry_order
 async def test_a_retry_is_not_a_duplicate_of_itself(
-    make_middleware: MiddlewareFactory,
+    retry_and_dedup: list[TaskiqMiddleware],
     make_broker: BrokerFactory,
     redis_client: redis.asyncio.Redis,
     prefix: str,
-    retry_class: type[TaskiqMiddleware],
-    retry_first: bool,
 ) -> None:
-    retry = retry_middleware(retry_class)
-    dedup = make_middleware()
-    broker = await make_broker(middlewares=[retry, dedup] if retry_first else [dedup, retry])
+    broker = await make_broker(middlewares=retry_and_dedup)
+    dedup = dedup_middleware(broker)
     attempts: list[str] = []
     rejected: list[str | None] = []
     holders: list[str] = []

@@ -21,12 +21,13 @@ from taskiq import (
 )
 
 from taskiq_deduplication import DeduplicationError, DuplicateTaskError
-from tests._brokers import HoldingBroker, KeptSchedules, retry_middleware
+from tests._brokers import HoldingBroker, KeptSchedules
 from tests.conftest import (
     BrokerFactory,
     MiddlewareFactory,
     all_topologies,
     dedup_middleware,
+    each_retry_order,
     lock_keys,
     lock_value,
     queued_job,
@@ -209,22 +210,17 @@ async def test_expired_leaves_the_lock_to_its_ttl_however_the_run_ends(
     assert sent.task_id in holders  # the failed run's lock is there too
 
 
-@pytest.mark.parametrize("retry_first", [True, False], ids=["retry-first", "dedup-first"])
-@pytest.mark.parametrize("retry_class", [SimpleRetryMiddleware, SmartRetryMiddleware])
+@each_retry_order
 @pytest.mark.parametrize("policy", POLICIES)
 async def test_a_retry_is_never_its_own_duplicate_nor_lost(
-    make_middleware: MiddlewareFactory,
+    retry_and_dedup: list[TaskiqMiddleware],
     make_broker: BrokerFactory,
     redis_client: redis.asyncio.Redis,
     prefix: str,
     policy: str,
-    retry_class: type[TaskiqMiddleware],
-    retry_first: bool,
 ) -> None:
-    retry, dedup = retry_middleware(retry_class), make_middleware()
-    broker = await make_broker(
-        broker_class=HoldingBroker, middlewares=[retry, dedup] if retry_first else [dedup, retry]
-    )
+    broker = await make_broker(broker_class=HoldingBroker, middlewares=retry_and_dedup)
+    dedup = dedup_middleware(broker)
     attempts: list[str] = []
     refused_between: list[str | None] = []
 
