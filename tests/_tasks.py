@@ -41,6 +41,18 @@ def held_task(broker: AsyncBroker, task_name: str | None = None) -> tuple[Any, G
     return broker.register_task(work, task_name=task_name), gate
 
 
+async def held_run(broker: AsyncBroker) -> tuple[Any, Gate, Any]:
+    """Register ``held_task``'s ``work(x)``, send ``work(x=1)`` and return once it runs.
+
+    Returns:
+        The task, its gate (set ``finish`` to end the run) and the running call's handle.
+    """
+    work, gate = held_task(broker)
+    handle = await work.kiq(x=1)
+    await asyncio.wait_for(gate.started.wait(), 5)
+    return work, gate, handle
+
+
 def held_slow(broker: AsyncBroker) -> tuple[Any, Gate]:
     """Register ``slow()``, which takes no argument and ends once its gate's ``finish`` is set."""
     gate = Gate()
