@@ -414,6 +414,7 @@ class BrokerFactory(Protocol):
         broker_class: type[BrokerT],
         middlewares: list[TaskiqMiddleware] | None = None,
         await_inplace: bool = False,
+        retries: int | None = None,
         **options: Any,
     ) -> BrokerT: ...
 
@@ -423,6 +424,7 @@ class BrokerFactory(Protocol):
         *,
         middlewares: list[TaskiqMiddleware] | None = None,
         await_inplace: bool = False,
+        retries: int | None = None,
         **options: Any,
     ) -> InMemoryBroker: ...
 
@@ -434,7 +436,9 @@ async def make_broker(
     """Build started in-memory brokers; each is shut down at the end of the test.
 
     ``make_broker(**options)`` puts one deduplication middleware built with
-    ``options`` on the broker; ``middlewares=[...]`` gives the whole list instead
+    ``options`` on the broker; ``retries=n`` puts taskiq's ``SimpleRetryMiddleware``
+    after it, ``n`` attempts in all (``dedup_middleware(broker)`` finds the
+    deduplication one again); ``middlewares=[...]`` gives the whole list instead
     (use ``make_middleware`` for the deduplication one); ``broker_class`` picks
     one of the brokers in ``tests/_brokers.py``.
     """
@@ -445,10 +449,15 @@ async def make_broker(
         middlewares: list[TaskiqMiddleware] | None = None,
         broker_class: type[InMemoryBroker] = InMemoryBroker,
         await_inplace: bool = False,
+        retries: int | None = None,
         **options: Any,
     ) -> InMemoryBroker:
+        if middlewares is None:
+            middlewares = [make_middleware(**options)]
+            if retries is not None:
+                middlewares.append(SimpleRetryMiddleware(default_retry_count=retries))
         broker = broker_class(await_inplace=await_inplace)
-        broker.with_middlewares(*(middlewares or [make_middleware(**options)]))
+        broker.with_middlewares(*middlewares)
         brokers.append(broker)
         await broker.startup()
         return broker

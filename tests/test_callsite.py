@@ -404,16 +404,10 @@ async def test_a_steady_stream_runs_by_the_maximum_wait(
 
 
 async def test_a_debounced_retry_runs_at_once(
-    make_middleware: MiddlewareFactory,
-    make_broker: BrokerFactory,
-    redis_client: redis.asyncio.Redis,
-    prefix: str,
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    dedup = make_middleware()
-    broker = await make_broker(
-        broker_class=HoldingBroker,
-        middlewares=[dedup, SimpleRetryMiddleware(default_retry_count=3)],
-    )
+    broker = await make_broker(broker_class=HoldingBroker, retries=3)
+    dedup = dedup_middleware(broker)
     runs: list[int] = []
 
     @broker.task(retry_on_error=True, deduplication_key="r", deduplication_debounce=0.3)

@@ -10,7 +10,6 @@ import pytest
 import redis.asyncio
 from taskiq import (
     Context,
-    SimpleRetryMiddleware,
     SmartRetryMiddleware,
     TaskiqDepends,
     TaskiqMessage,
@@ -339,13 +338,9 @@ async def test_a_retry_is_not_a_duplicate_of_itself(
 
 @all_topologies()
 async def test_exhausted_retries_release_the_lock(
-    make_middleware: MiddlewareFactory,
-    make_broker: BrokerFactory,
-    redis_client: redis.asyncio.Redis,
-    prefix: str,
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    dedup = make_middleware()
-    broker = await make_broker(middlewares=[dedup, SimpleRetryMiddleware(default_retry_count=3)])
+    broker = await make_broker(retries=3)
     attempts = 0
 
     @broker.task(retry_on_error=True)

@@ -13,7 +13,6 @@ import pytest
 import redis.asyncio
 from taskiq import (
     Context,
-    SimpleRetryMiddleware,
     SmartRetryMiddleware,
     TaskiqDepends,
     TaskiqMiddleware,
@@ -265,17 +264,9 @@ async def test_a_retry_is_never_its_own_duplicate_nor_lost(
 
 @pytest.mark.parametrize("policy", POLICIES)
 async def test_exhausted_retries_end_the_lock_as_a_failure(
-    make_middleware: MiddlewareFactory,
-    make_broker: BrokerFactory,
-    redis_client: redis.asyncio.Redis,
-    prefix: str,
-    policy: str,
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str, policy: str
 ) -> None:
-    dedup = make_middleware()
-    broker = await make_broker(
-        broker_class=HoldingBroker,
-        middlewares=[dedup, SimpleRetryMiddleware(default_retry_count=3)],
-    )
+    broker = await make_broker(broker_class=HoldingBroker, retries=3)
     attempts = 0
 
     @broker.task(task_name=None, retry_on_error=True, **POLICIES[policy])
@@ -293,16 +284,9 @@ async def test_exhausted_retries_end_the_lock_as_a_failure(
 
 
 async def test_a_started_retry_goes_out_without_a_lock_behind_a_copy_queued_meanwhile(
-    make_middleware: MiddlewareFactory,
-    make_broker: BrokerFactory,
-    redis_client: redis.asyncio.Redis,
-    prefix: str,
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    dedup = make_middleware()
-    broker = await make_broker(
-        broker_class=HoldingBroker,
-        middlewares=[dedup, SimpleRetryMiddleware(default_retry_count=2)],
-    )
+    broker = await make_broker(broker_class=HoldingBroker, retries=2)
     runs: list[str] = []
 
     @broker.task(task_name=None, retry_on_error=True, deduplication_until="started")
