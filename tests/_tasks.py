@@ -63,14 +63,17 @@ def held_slow(broker: AsyncBroker) -> tuple[Any, Gate]:
     return broker.register_task(slow), gate
 
 
-def held_report(broker: AsyncBroker) -> tuple[Any, Gate]:
-    """Register ``report(day)`` (task name ``"report"``), which ends once ``finish`` is set."""
+def held_report(broker: AsyncBroker, **labels: Any) -> tuple[Any, Gate]:
+    """Register ``report(day)`` (task name ``"report"``), which ends once ``finish`` is set.
+
+    ``labels`` go on the task (a ``schedule``, say).
+    """
     gate = Gate()
 
     async def report(day: str) -> None:
         await gate.run_through()
 
-    return broker.register_task(report, task_name="report"), gate
+    return broker.register_task(report, task_name="report", **labels), gate
 
 
 async def all_running(broker: AsyncBroker, count: int) -> tuple[Any, asyncio.Event]:
