@@ -469,6 +469,15 @@ async def make_broker(
         await broker.shutdown()
 
 
+@pytest.fixture
+async def broker(make_broker: BrokerFactory) -> HoldingBroker:
+    """A started ``HoldingBroker`` (a queue the test delivers) with one deduplication middleware.
+
+    A test that needs options of its own, or a second broker, asks for ``make_broker``.
+    """
+    return await make_broker(broker_class=HoldingBroker)
+
+
 async def queued_job(make_broker: BrokerFactory) -> tuple[HoldingBroker, Any]:
     """A started ``HoldingBroker`` (a queue the test delivers) and a task ``job()``, a no-op."""
     broker = await make_broker(broker_class=HoldingBroker)

@@ -275,9 +275,8 @@ async def test_a_call_queued_under_started_runs_after_the_run_that_goes_on(
 
 
 async def test_a_call_accepted_after_an_expired_window_waits_for_the_last_run(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
     runs = Runs()
     release = asyncio.Event()
 

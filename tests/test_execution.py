@@ -95,12 +95,11 @@ async def test_a_task_waiting_in_the_queue_keeps_its_lock(
 
 
 async def test_a_lock_that_expired_in_the_queue_is_taken_back_at_execution(
-    make_broker: BrokerFactory,
+    broker: HoldingBroker,
     redis_client: redis.asyncio.Redis,
     prefix: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
     seen: list[str | None] = []
 
     @broker.task
@@ -391,9 +390,8 @@ async def test_reusing_a_running_task_id_from_another_asyncio_task_is_a_duplicat
 
 
 async def test_requeue_keeps_the_lock_until_the_last_delivery(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
     runs = 0
 
     @broker.task
@@ -503,10 +501,8 @@ async def test_a_retry_left_to_a_schedule_source_keeps_the_lock_between_attempts
 
 
 async def test_lock_labels_copied_onto_another_task_do_not_carry_its_lock(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task
     async def child(n: int) -> None: ...
 

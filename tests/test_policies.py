@@ -64,9 +64,8 @@ async def _refused(call: Any) -> bool:
 @pytest.mark.parametrize("row", ROWS)
 @pytest.mark.parametrize("policy", POLICIES)
 async def test_what_counts_as_a_duplicate(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, policy: str, row: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, policy: str, row: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
     seen: list[bool] = []
 
     @broker.task(task_name=None, **POLICIES[policy])
@@ -162,9 +161,8 @@ async def test_round_trips_of_each_policy(
 
 
 async def test_started_releases_at_start_with_no_heartbeat_when_runs_may_overlap(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
     during: list[Any] = []
 
     @broker.task(
@@ -186,10 +184,8 @@ async def test_started_releases_at_start_with_no_heartbeat_when_runs_may_overlap
 
 
 async def test_expired_leaves_the_lock_to_its_ttl_however_the_run_ends(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task(deduplication_until="expired", deduplication_ttl=30)
     async def digest(user_id: int) -> None:
         if user_id == 2:
@@ -307,9 +303,8 @@ async def test_a_started_retry_goes_out_without_a_lock_behind_a_copy_queued_mean
 
 @pytest.mark.parametrize("policy", ["started", "expired"])
 async def test_a_requeue_under_each_policy(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str, policy: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str, policy: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
     runs = 0
 
     @broker.task(task_name=None, deduplication_ttl=30, **POLICIES[policy])
