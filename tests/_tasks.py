@@ -41,6 +41,18 @@ def held_task(broker: AsyncBroker, task_name: str | None = None) -> tuple[Any, G
     return broker.register_task(work, task_name=task_name), gate
 
 
+async def held_run(broker: AsyncBroker) -> tuple[Any, Gate, Any]:
+    """Register ``held_task``'s ``work(x)``, send ``work(x=1)`` and return once it runs.
+
+    Returns:
+        The task, its gate (set ``finish`` to end the run) and the running call's handle.
+    """
+    work, gate = held_task(broker)
+    handle = await work.kiq(x=1)
+    await asyncio.wait_for(gate.started.wait(), 5)
+    return work, gate, handle
+
+
 def held_slow(broker: AsyncBroker) -> tuple[Any, Gate]:
     """Register ``slow()``, which takes no argument and ends once its gate's ``finish`` is set."""
     gate = Gate()
@@ -51,14 +63,17 @@ def held_slow(broker: AsyncBroker) -> tuple[Any, Gate]:
     return broker.register_task(slow), gate
 
 
-def held_report(broker: AsyncBroker) -> tuple[Any, Gate]:
-    """Register ``report(day)`` (task name ``"report"``), which ends once ``finish`` is set."""
+def held_report(broker: AsyncBroker, **labels: Any) -> tuple[Any, Gate]:
+    """Register ``report(day)`` (task name ``"report"``), which ends once ``finish`` is set.
+
+    ``labels`` go on the task (a ``schedule``, say).
+    """
     gate = Gate()
 
     async def report(day: str) -> None:
         await gate.run_through()
 
-    return broker.register_task(report, task_name="report"), gate
+    return broker.register_task(report, task_name="report", **labels), gate
 
 
 async def all_running(broker: AsyncBroker, count: int) -> tuple[Any, asyncio.Event]:

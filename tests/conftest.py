@@ -27,13 +27,13 @@ import pytest
 import redis.asyncio
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.sentinel import Sentinel
-from taskiq import InMemoryBroker, TaskiqMiddleware
+from taskiq import InMemoryBroker, SimpleRetryMiddleware, SmartRetryMiddleware, TaskiqMiddleware
 
 from taskiq_deduplication import RedisDeduplicationMiddleware
 from taskiq_deduplication._heartbeat import Beat
 from taskiq_deduplication._redis_wire import WIRE_ENV, _lean_fits, _misfit
 from taskiq_deduplication.testing import Deduplication
-from tests._brokers import HoldingBroker
+from tests._brokers import HoldingBroker, retry_middleware
 from tests._server import Server
 from tests.topologies._servers import Cluster, Sentinels
 
@@ -371,6 +371,37 @@ def make_middleware(dedup: Deduplication, topology: Topology) -> MiddlewareFacto
     return make
 
 
+TestT = TypeVar("TestT", bound=Callable[..., Any])
+
+
+def each_retry_order(test: TestT) -> TestT:
+    """Run ``test`` with each of taskiq's retry middlewares, before and after deduplication.
+
+    The test asks for ``retry_and_dedup``, the two middlewares in the order of its case.
+    """
+    each_class = pytest.mark.parametrize(
+        "retry_class", [SimpleRetryMiddleware, SmartRetryMiddleware]
+    )
+    each_side = pytest.mark.parametrize(
+        "retry_first", [True, False], ids=["retry-first", "dedup-first"]
+    )
+    # A mark decorator returns what it decorates; pytest types that as Any.
+    return cast("TestT", each_side(each_class(test)))
+
+
+@pytest.fixture
+def retry_and_dedup(
+    make_middleware: MiddlewareFactory, retry_class: type[TaskiqMiddleware], retry_first: bool
+) -> list[TaskiqMiddleware]:
+    """A retry middleware and a deduplication one, in the order of an ``each_retry_order`` case.
+
+    The retry middleware resends at once (``tests/_brokers.py``'s ``retry_middleware``);
+    ``dedup_middleware(broker)`` finds the deduplication one again.
+    """
+    retry, dedup = retry_middleware(retry_class), make_middleware()
+    return [retry, dedup] if retry_first else [dedup, retry]
+
+
 BrokerT = TypeVar("BrokerT", bound=InMemoryBroker)
 
 
@@ -384,6 +415,7 @@ class BrokerFactory(Protocol):
         broker_class: type[BrokerT],
         middlewares: list[TaskiqMiddleware] | None = None,
         await_inplace: bool = False,
+        retries: int | None = None,
         **options: Any,
     ) -> BrokerT: ...
 
@@ -393,6 +425,7 @@ class BrokerFactory(Protocol):
         *,
         middlewares: list[TaskiqMiddleware] | None = None,
         await_inplace: bool = False,
+        retries: int | None = None,
         **options: Any,
     ) -> InMemoryBroker: ...
 
@@ -404,7 +437,9 @@ async def make_broker(
     """Build started in-memory brokers; each is shut down at the end of the test.
 
     ``make_broker(**options)`` puts one deduplication middleware built with
-    ``options`` on the broker; ``middlewares=[...]`` gives the whole list instead
+    ``options`` on the broker; ``retries=n`` puts taskiq's ``SimpleRetryMiddleware``
+    after it, ``n`` attempts in all (``dedup_middleware(broker)`` finds the
+    deduplication one again); ``middlewares=[...]`` gives the whole list instead
     (use ``make_middleware`` for the deduplication one); ``broker_class`` picks
     one of the brokers in ``tests/_brokers.py``.
     """
@@ -415,10 +450,15 @@ async def make_broker(
         middlewares: list[TaskiqMiddleware] | None = None,
         broker_class: type[InMemoryBroker] = InMemoryBroker,
         await_inplace: bool = False,
+        retries: int | None = None,
         **options: Any,
     ) -> InMemoryBroker:
+        if middlewares is None:
+            middlewares = [make_middleware(**options)]
+            if retries is not None:
+                middlewares.append(SimpleRetryMiddleware(default_retry_count=retries))
         broker = broker_class(await_inplace=await_inplace)
-        broker.with_middlewares(*(middlewares or [make_middleware(**options)]))
+        broker.with_middlewares(*middlewares)
         brokers.append(broker)
         await broker.startup()
         return broker
@@ -427,6 +467,15 @@ async def make_broker(
     for broker in brokers:
         await broker.wait_all()
         await broker.shutdown()
+
+
+@pytest.fixture
+async def broker(make_broker: BrokerFactory) -> HoldingBroker:
+    """A started ``HoldingBroker`` (a queue the test delivers) with one deduplication middleware.
+
+    A test that needs options of its own, or a second broker, asks for ``make_broker``.
+    """
+    return await make_broker(broker_class=HoldingBroker)
 
 
 async def queued_job(make_broker: BrokerFactory) -> tuple[HoldingBroker, Any]:

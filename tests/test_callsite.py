@@ -42,6 +42,7 @@ from tests.conftest import (
     MiddlewareFactory,
     all_topologies,
     dedup_middleware,
+    each_retry_order,
     lock_keys,
     lock_value,
     queued_job,
@@ -67,10 +68,8 @@ async def refusal(call: Any) -> DuplicateTaskError:
 
 
 async def test_join_hands_back_the_winner_whose_result_both_callers_get(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task(deduplication_key_fields=["user_id"])
     async def build_report(user_id: int, tag: str) -> str:
         return f"report {user_id} {tag}"
@@ -92,10 +91,8 @@ async def test_join_hands_back_the_winner_whose_result_both_callers_get(
 
 
 async def test_a_join_is_logged_as_a_join_whatever_its_other_arguments(
-    make_broker: BrokerFactory, caplog: pytest.LogCaptureFixture
+    broker: HoldingBroker, caplog: pytest.LogCaptureFixture
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task(deduplication_key_fields=["user_id"])
     async def build_report(user_id: int, tag: str = "") -> None: ...
 
@@ -118,10 +115,8 @@ async def test_a_join_is_logged_as_a_join_whatever_its_other_arguments(
 
 
 async def test_join_of_a_holder_this_library_did_not_write_raises(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task(deduplication_key="shared")
     async def job() -> None: ...
 
@@ -135,13 +130,11 @@ async def test_join_of_a_holder_this_library_did_not_write_raises(
 
 
 async def test_same_arguments_says_whether_the_holder_was_called_alike(
-    make_broker: BrokerFactory,
+    broker: HoldingBroker,
     redis_client: redis.asyncio.Redis,
     prefix: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task(deduplication_key_fields=["user_id"])
     async def charge(user_id: int, amount: int) -> None: ...
 
@@ -172,10 +165,8 @@ async def test_same_arguments_says_whether_the_holder_was_called_alike(
 
 
 async def test_a_lock_value_stays_61_bytes_whatever_its_key(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task
     async def plain(n: int) -> None: ...
 
@@ -201,9 +192,8 @@ async def test_a_lock_value_stays_61_bytes_whatever_its_key(
 
 
 async def test_twenty_merges_into_one_queued_copy_run_once_with_the_last_arguments(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
     ran: list[tuple[int, list[str]]] = []
 
     @broker.task(deduplication_key_fields=["user_id"], deduplication_merge="latest")
@@ -230,9 +220,8 @@ async def test_twenty_merges_into_one_queued_copy_run_once_with_the_last_argumen
 
 
 async def test_once_the_holder_runs_a_call_is_handled_as_its_policy_says(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
     during: list[Any] = []
 
     @broker.task(deduplication_key="sync", deduplication_merge="latest")
@@ -266,9 +255,8 @@ async def test_once_the_holder_runs_a_call_is_handled_as_its_policy_says(
 
 
 async def test_merged_arguments_go_through_the_brokers_serializer(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
     seen: list[dict[str, Any]] = []
 
     @broker.task(deduplication_key="blob", deduplication_merge="latest")
@@ -283,20 +271,15 @@ async def test_merged_arguments_go_through_the_brokers_serializer(
     assert seen == [{"secret": "s3cr3t", "n": [1, 2]}]
 
 
-@pytest.mark.parametrize("retry_first", [True, False], ids=["retry-first", "dedup-first"])
-@pytest.mark.parametrize("retry_class", [SimpleRetryMiddleware, SmartRetryMiddleware])
+@each_retry_order
 async def test_merges_under_retries_run_the_latest_arguments_and_free_the_lock(
-    make_middleware: MiddlewareFactory,
+    retry_and_dedup: list[TaskiqMiddleware],
     make_broker: BrokerFactory,
     redis_client: redis.asyncio.Redis,
     prefix: str,
-    retry_class: type[TaskiqMiddleware],
-    retry_first: bool,
 ) -> None:
-    retry, dedup = retry_middleware(retry_class), make_middleware()
-    broker = await make_broker(
-        broker_class=HoldingBroker, middlewares=[retry, dedup] if retry_first else [dedup, retry]
-    )
+    broker = await make_broker(broker_class=HoldingBroker, middlewares=retry_and_dedup)
+    dedup = dedup_middleware(broker)
     runs: list[tuple[str, int]] = []
 
     @broker.task(
@@ -327,9 +310,8 @@ async def test_merges_under_retries_run_the_latest_arguments_and_free_the_lock(
 
 @all_topologies(hash_tag=True)
 async def test_a_requeued_merge_runs_with_the_arguments_it_ran_with(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
     runs: list[int] = []
 
     @broker.task(deduplication_key="requeue", deduplication_merge="latest")
@@ -351,9 +333,8 @@ async def test_a_requeued_merge_runs_with_the_arguments_it_ran_with(
 
 
 async def test_a_debounced_burst_runs_once_after_the_quiet_period(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
     loop = asyncio.get_running_loop()
     ran: list[tuple[int, float]] = []
 
@@ -381,9 +362,8 @@ async def test_a_debounced_burst_runs_once_after_the_quiet_period(
 
 
 async def test_a_steady_stream_runs_by_the_maximum_wait(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
     ran: list[int] = []
 
     @broker.task(
@@ -408,16 +388,10 @@ async def test_a_steady_stream_runs_by_the_maximum_wait(
 
 
 async def test_a_debounced_retry_runs_at_once(
-    make_middleware: MiddlewareFactory,
-    make_broker: BrokerFactory,
-    redis_client: redis.asyncio.Redis,
-    prefix: str,
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    dedup = make_middleware()
-    broker = await make_broker(
-        broker_class=HoldingBroker,
-        middlewares=[dedup, SimpleRetryMiddleware(default_retry_count=3)],
-    )
+    broker = await make_broker(broker_class=HoldingBroker, retries=3)
+    dedup = dedup_middleware(broker)
     runs: list[int] = []
 
     @broker.task(retry_on_error=True, deduplication_key="r", deduplication_debounce=0.3)
@@ -445,9 +419,8 @@ async def test_a_debounced_retry_runs_at_once(
 
 @all_topologies(hash_tag=True)
 async def test_fences_increase_across_sends_expiry_and_takeover(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
     seen: list[tuple[int, bool]] = []
 
     @broker.task(deduplication_key="nightly-import", deduplication_ttl=1)
@@ -536,22 +509,17 @@ async def test_a_fence_needs_a_sender_that_knows_the_task(
     assert answers == [True]
 
 
-@pytest.mark.parametrize("retry_first", [True, False], ids=["retry-first", "dedup-first"])
-@pytest.mark.parametrize("retry_class", [SimpleRetryMiddleware, SmartRetryMiddleware])
+@each_retry_order
 @pytest.mark.parametrize("until", ["finished", "expired"])
 async def test_fences_under_retries(
-    make_middleware: MiddlewareFactory,
+    retry_and_dedup: list[TaskiqMiddleware],
     make_broker: BrokerFactory,
     redis_client: redis.asyncio.Redis,
     prefix: str,
-    retry_class: type[TaskiqMiddleware],
-    retry_first: bool,
     until: str,
 ) -> None:
-    retry, dedup = retry_middleware(retry_class), make_middleware()
-    broker = await make_broker(
-        broker_class=HoldingBroker, middlewares=[retry, dedup] if retry_first else [dedup, retry]
-    )
+    broker = await make_broker(broker_class=HoldingBroker, middlewares=retry_and_dedup)
+    dedup = dedup_middleware(broker)
     fences: list[tuple[int, bool]] = []
 
     @broker.task(retry_on_error=True, deduplication_key="import", deduplication_until=until)
@@ -713,12 +681,11 @@ async def test_a_run_whose_claim_fails_runs_with_the_arguments_it_was_sent_with(
 
 
 async def test_a_merged_run_whose_lock_another_send_holds_runs_as_sent_with_a_warning(
-    make_broker: BrokerFactory,
+    broker: HoldingBroker,
     redis_client: redis.asyncio.Redis,
     prefix: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
     ran: list[tuple[int, bool]] = []
 
     @broker.task(deduplication_key="m", deduplication_merge="latest", deduplication_exclusive=False)
@@ -801,9 +768,8 @@ async def has_lock(client: redis.asyncio.Redis, prefix: str) -> bool:
 
 
 async def test_tasks_sharing_a_key_never_merge_into_each_other(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
     ran: list[tuple[str, int]] = []
 
     @broker.task(deduplication_key="nightly", deduplication_merge="latest")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis.asyncio
@@ -18,7 +19,7 @@ from taskiq_deduplication import (
     kiq_or_join,
 )
 from tests._brokers import HoldingBroker
-from tests.conftest import BrokerFactory, MiddlewareFactory, lock_keys
+from tests.conftest import BrokerFactory, MiddlewareFactory, dedup_middleware, lock_keys
 
 LOCKED, DUPLICATE, OFF = LockEventKind.LOCKED, LockEventKind.DUPLICATE, LockEventKind.OFF
 RELEASED, TAKEN_BACK, LOST = LockEventKind.RELEASED, LockEventKind.TAKEN_BACK, LockEventKind.LOST
@@ -30,12 +31,20 @@ def record(middleware: RedisDeduplicationMiddleware) -> list[LockEvent]:
     return events
 
 
-async def test_a_task_s_life_is_told_as_locked_then_released(
-    make_middleware: MiddlewareFactory, make_broker: BrokerFactory
-) -> None:
-    middleware = make_middleware()
-    events = record(middleware)
-    broker = await make_broker(middlewares=[middleware], broker_class=HoldingBroker)
+async def recorded(
+    make_broker: BrokerFactory, **options: Any
+) -> tuple[HoldingBroker, list[LockEvent]]:
+    """A started ``HoldingBroker`` with a middleware built with ``options``, and its events.
+
+    The events are those its deduplication middleware tells from now on.
+    """
+    broker = await make_broker(broker_class=HoldingBroker, **options)
+    return broker, record(dedup_middleware(broker))
+
+
+async def test_a_task_s_life_is_told_as_locked_then_released(make_broker: BrokerFactory) -> None:
+    broker, events = await recorded(make_broker)
+    middleware = dedup_middleware(broker)
 
     @broker.task
     async def job(n: int) -> None: ...
@@ -94,14 +103,9 @@ async def test_fail_open_tells_the_redis_error(merging: bool) -> None:
 
 
 async def test_a_run_that_finds_its_lock_gone_takes_it_back(
-    make_middleware: MiddlewareFactory,
-    make_broker: BrokerFactory,
-    redis_client: redis.asyncio.Redis,
-    prefix: str,
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    middleware = make_middleware()
-    events = record(middleware)
-    broker = await make_broker(middlewares=[middleware], broker_class=HoldingBroker)
+    broker, events = await recorded(make_broker)
 
     @broker.task
     async def job() -> None: ...
@@ -118,14 +122,9 @@ async def test_a_run_that_finds_its_lock_gone_takes_it_back(
 
 
 async def test_a_run_whose_lock_another_task_holds_tells_it_lost(
-    make_middleware: MiddlewareFactory,
-    make_broker: BrokerFactory,
-    redis_client: redis.asyncio.Redis,
-    prefix: str,
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    middleware = make_middleware(default_exclusive=False)
-    events = record(middleware)
-    broker = await make_broker(middlewares=[middleware], broker_class=HoldingBroker)
+    broker, events = await recorded(make_broker, default_exclusive=False)
 
     @broker.task
     async def job() -> None: ...
@@ -139,14 +138,9 @@ async def test_a_run_whose_lock_another_task_holds_tells_it_lost(
 
 
 async def test_the_heartbeat_tells_what_it_finds(
-    make_middleware: MiddlewareFactory,
-    make_broker: BrokerFactory,
-    redis_client: redis.asyncio.Redis,
-    prefix: str,
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    middleware = make_middleware(default_ttl=2, heartbeat_interval=0.2)
-    events = record(middleware)
-    broker = await make_broker(middlewares=[middleware], broker_class=HoldingBroker)
+    broker, events = await recorded(make_broker, default_ttl=2, heartbeat_interval=0.2)
 
     @broker.task
     async def slow() -> None:
@@ -276,11 +270,9 @@ async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
 
 
 async def test_a_merged_call_is_told_as_merged_with_the_queued_holder(
-    make_middleware: MiddlewareFactory, make_broker: BrokerFactory
+    make_broker: BrokerFactory,
 ) -> None:
-    middleware = make_middleware()
-    events = record(middleware)
-    broker = await make_broker(middlewares=[middleware], broker_class=HoldingBroker)
+    broker, events = await recorded(make_broker)
 
     @broker.task(deduplication_key_fields=["user_id"], deduplication_merge="latest")
     async def sync_profile(user_id: int, fields: list[str]) -> None: ...
@@ -296,11 +288,9 @@ async def test_a_merged_call_is_told_as_merged_with_the_queued_holder(
 
 
 async def test_a_join_is_told_as_joined_and_a_refusal_as_duplicate(
-    make_middleware: MiddlewareFactory, make_broker: BrokerFactory
+    make_broker: BrokerFactory,
 ) -> None:
-    middleware = make_middleware()
-    events = record(middleware)
-    broker = await make_broker(middlewares=[middleware], broker_class=HoldingBroker)
+    broker, events = await recorded(make_broker)
 
     @broker.task(deduplication_key_fields=["user_id"])
     async def build_report(user_id: int, tag: str) -> None: ...

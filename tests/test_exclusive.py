@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 import redis.asyncio
-from taskiq import SimpleRetryMiddleware, SmartRetryMiddleware, TaskiqMiddleware
+from taskiq import InMemoryBroker, SimpleRetryMiddleware, SmartRetryMiddleware, TaskiqMiddleware
 
-from taskiq_deduplication import DuplicateTaskError, LockEventKind, RedisDeduplicationMiddleware
+from taskiq_deduplication import DuplicateTaskError, LockEventKind
 from taskiq_deduplication._formats import holder_task_id
 from tests._brokers import HoldingBroker, retry_middleware
 from tests.conftest import (
@@ -59,9 +59,10 @@ class Runs:
         )
 
 
-def events_of(middleware: RedisDeduplicationMiddleware) -> list[Any]:
+def events_of(broker: InMemoryBroker) -> list[Any]:
+    """The lock events of the deduplication middleware on ``broker``, from now on."""
     seen: list[Any] = []
-    middleware.subscribe(seen.append)
+    dedup_middleware(broker).subscribe(seen.append)
     return seen
 
 
@@ -90,8 +91,7 @@ async def test_a_copy_delivered_while_its_run_goes_on_waits_and_is_not_run_after
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     broker = await make_broker(broker_class=HoldingBroker, default_ttl=3)
-    middleware = dedup_middleware(broker)
-    events = events_of(middleware)
+    events = events_of(broker)
     runs = Runs()
     release = asyncio.Event()
 
@@ -116,7 +116,7 @@ async def test_a_copy_delivered_while_its_run_goes_on_waits_and_is_not_run_after
     assert [(e.task_id, e.holder_task_id) for e in skipped] == [(sent.task_id, sent.task_id)]
     result = await broker.result_backend.get_result(sent.task_id)
     assert result.return_value == "charged 7"  # the copy did not overwrite it
-    assert running_beats(middleware) == []
+    assert running_beats(dedup_middleware(broker)) == []
     # The success is kept only as long as the copies that waited need to see it.
     (key,) = await lock_keys(redis_client, prefix)
     assert 0 < await redis_client.pttl(key) <= 3000
@@ -142,8 +142,7 @@ async def test_a_copy_of_a_run_whose_success_is_remembered_does_not_run_again(
     retry = SimpleRetryMiddleware(default_retry_count=3)
     broker = await make_broker(broker_class=HoldingBroker)
     broker.add_middlewares(retry)
-    middleware = dedup_middleware(broker)
-    events = events_of(middleware)
+    events = events_of(broker)
     bodies: list[int] = []
 
     @broker.task(deduplication_success_ttl=60, retry_on_error=True)
@@ -276,9 +275,8 @@ async def test_a_call_queued_under_started_runs_after_the_run_that_goes_on(
 
 
 async def test_a_call_accepted_after_an_expired_window_waits_for_the_last_run(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
     runs = Runs()
     release = asyncio.Event()
 
@@ -337,17 +335,10 @@ async def test_a_retry_never_waits_for_the_attempt_it_continues(
 
 
 async def test_a_copy_of_an_attempt_that_a_retry_carries_on_is_not_run(
-    make_middleware: MiddlewareFactory,
-    make_broker: BrokerFactory,
-    redis_client: redis.asyncio.Redis,
-    prefix: str,
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    dedup = make_middleware()
-    broker = await make_broker(
-        middlewares=[dedup, SimpleRetryMiddleware(default_retry_count=3)],
-        broker_class=HoldingBroker,
-    )
-    events = events_of(dedup)
+    broker = await make_broker(broker_class=HoldingBroker, retries=3)
+    events = events_of(broker)
     bodies: list[str] = []
 
     @broker.task(retry_on_error=True)
@@ -441,19 +432,12 @@ async def test_a_run_slot_beside_the_lock_lives_on_its_own_short_lease(
 
 
 async def test_a_retry_sent_without_a_lock_still_never_runs_beside_its_key(
-    make_middleware: MiddlewareFactory,
-    make_broker: BrokerFactory,
-    redis_client: redis.asyncio.Redis,
-    prefix: str,
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     # Under "started" a retry whose lock a call queued meanwhile holds goes out
     # without a lock (it is never refused, never lost); its run still takes the
     # run slot of its key, so it and that call's run take turns.
-    dedup = make_middleware(default_ttl=5)
-    broker = await make_broker(
-        middlewares=[dedup, SimpleRetryMiddleware(default_retry_count=3)],
-        broker_class=HoldingBroker,
-    )
+    broker = await make_broker(broker_class=HoldingBroker, retries=3, default_ttl=5)
     runs = Runs()
 
     @broker.task(deduplication_until="started", deduplication_key="sync", retry_on_error=True)

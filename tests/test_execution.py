@@ -10,7 +10,6 @@ import pytest
 import redis.asyncio
 from taskiq import (
     Context,
-    SimpleRetryMiddleware,
     SmartRetryMiddleware,
     TaskiqDepends,
     TaskiqMessage,
@@ -21,13 +20,14 @@ from taskiq import (
 
 from taskiq_deduplication import DuplicateTaskError
 from taskiq_deduplication._formats import holder_task_id
-from tests._brokers import HoldingBroker, KeptSchedules, retry_middleware
+from tests._brokers import HoldingBroker, KeptSchedules
 from tests._tasks import all_running, held_slow
 from tests.conftest import (
     BrokerFactory,
     MiddlewareFactory,
     all_topologies,
     dedup_middleware,
+    each_retry_order,
     lock_keys,
     lock_value,
     queued_job,
@@ -95,12 +95,11 @@ async def test_a_task_waiting_in_the_queue_keeps_its_lock(
 
 
 async def test_a_lock_that_expired_in_the_queue_is_taken_back_at_execution(
-    make_broker: BrokerFactory,
+    broker: HoldingBroker,
     redis_client: redis.asyncio.Redis,
     prefix: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
     seen: list[str | None] = []
 
     @broker.task
@@ -296,19 +295,15 @@ async def test_one_heartbeat_batch_refreshes_many_running_tasks(
 
 
 @all_topologies()
-@pytest.mark.parametrize("retry_first", [True, False], ids=["retry-first", "dedup-first"])
-@pytest.mark.parametrize("retry_class", [SimpleRetryMiddleware, SmartRetryMiddleware])
+@each_retry_order
 async def test_a_retry_is_not_a_duplicate_of_itself(
-    make_middleware: MiddlewareFactory,
+    retry_and_dedup: list[TaskiqMiddleware],
     make_broker: BrokerFactory,
     redis_client: redis.asyncio.Redis,
     prefix: str,
-    retry_class: type[TaskiqMiddleware],
-    retry_first: bool,
 ) -> None:
-    retry = retry_middleware(retry_class)
-    dedup = make_middleware()
-    broker = await make_broker(middlewares=[retry, dedup] if retry_first else [dedup, retry])
+    broker = await make_broker(middlewares=retry_and_dedup)
+    dedup = dedup_middleware(broker)
     attempts: list[str] = []
     rejected: list[str | None] = []
     holders: list[str] = []
@@ -342,13 +337,9 @@ async def test_a_retry_is_not_a_duplicate_of_itself(
 
 @all_topologies()
 async def test_exhausted_retries_release_the_lock(
-    make_middleware: MiddlewareFactory,
-    make_broker: BrokerFactory,
-    redis_client: redis.asyncio.Redis,
-    prefix: str,
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    dedup = make_middleware()
-    broker = await make_broker(middlewares=[dedup, SimpleRetryMiddleware(default_retry_count=3)])
+    broker = await make_broker(retries=3)
     attempts = 0
 
     @broker.task(retry_on_error=True)
@@ -399,9 +390,8 @@ async def test_reusing_a_running_task_id_from_another_asyncio_task_is_a_duplicat
 
 
 async def test_requeue_keeps_the_lock_until_the_last_delivery(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
     runs = 0
 
     @broker.task
@@ -511,10 +501,8 @@ async def test_a_retry_left_to_a_schedule_source_keeps_the_lock_between_attempts
 
 
 async def test_lock_labels_copied_onto_another_task_do_not_carry_its_lock(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task
     async def child(n: int) -> None: ...
 

@@ -58,10 +58,8 @@ def message_of(task: AsyncTaskiqDecoratedTask[Any, Any], task_id: str) -> Taskiq
 
 
 async def test_a_lock_records_when_it_was_taken_its_policy_and_that_its_send_went_out(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task(deduplication_until="expired")
     async def job() -> None: ...
 
@@ -138,13 +136,11 @@ async def test_the_record_lives_through_the_run_and_its_success(
 
 
 async def test_a_send_that_dies_before_the_broker_accepts_it_is_refused_as_unsent(
-    make_broker: BrokerFactory,
+    broker: HoldingBroker,
     redis_client: redis.asyncio.Redis,
     prefix: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task(deduplication_key_fields=["n"])
     async def job(n: int = 1) -> None: ...
 
@@ -192,10 +188,8 @@ async def test_a_send_that_dies_before_the_broker_accepts_it_is_refused_as_unsen
 
 
 async def test_a_lock_of_an_older_version_is_read_refused_extended_claimed_and_released(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task
     async def job() -> None: ...
 

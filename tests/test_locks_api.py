@@ -18,10 +18,8 @@ _HOLDER = "0123456789abcdef0123456789abcdef"
 
 
 async def test_a_lock_read_by_its_full_key_and_by_its_name(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task(deduplication_key="nightly-export")
     async def export() -> None: ...
 
@@ -47,10 +45,8 @@ async def test_a_lock_read_by_its_full_key_and_by_its_name(
 
 
 async def test_from_url_reads_a_full_key_under_another_prefix_without_being_told(
-    make_broker: BrokerFactory, redis_url: str, prefix: str
+    broker: HoldingBroker, redis_url: str, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task
     async def job() -> None: ...
 
@@ -88,10 +84,8 @@ async def test_scan_pages_through_every_lock_and_filters_by_name_and_holder(
 
 
 async def test_release_checks_the_owner(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task(deduplication_key="k")
     async def job() -> None: ...
 
@@ -112,10 +106,8 @@ async def test_release_checks_the_owner(
 
 
 async def test_release_takes_the_merged_arguments(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task(deduplication_key_fields=["user_id"], deduplication_merge="latest")
     async def sync_profile(user_id: int, fields: list[str]) -> None: ...
 
@@ -155,10 +147,8 @@ async def test_key_for_is_the_key_kiq_took(make_broker: BrokerFactory) -> None:
 
 
 async def test_key_for_needs_the_locks_of_a_middleware(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task
     async def job(n: int) -> None: ...
 
@@ -197,10 +187,8 @@ async def test_what_the_value_of_a_lock_says(
 
 
 async def test_purge_deletes_every_key_of_the_prefix_and_no_other(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, redis_url: str, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, redis_url: str, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task(deduplication_key_fields=["user_id"], deduplication_merge="latest")
     async def sync_profile(user_id: int, fields: list[str]) -> None: ...
 
@@ -220,10 +208,8 @@ async def test_purge_deletes_every_key_of_the_prefix_and_no_other(
 
 
 async def test_a_page_of_locks_is_bounded_and_goes_on_where_it_stopped(
-    make_broker: BrokerFactory,
+    broker: HoldingBroker,
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task
     async def job(n: int) -> None: ...
 

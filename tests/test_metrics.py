@@ -121,9 +121,8 @@ async def test_the_metrics_show_next_to_taskiq_s_own(
 
 
 async def test_lock_events_of_running_tasks_are_counted(
-    metrics_url: str, make_broker: BrokerFactory, redis_url: str, prefix: str
+    metrics_url: str, broker: HoldingBroker, redis_url: str, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
     client = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
 
     @broker.task(task_name="metrics.gone")

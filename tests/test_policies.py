@@ -13,7 +13,6 @@ import pytest
 import redis.asyncio
 from taskiq import (
     Context,
-    SimpleRetryMiddleware,
     SmartRetryMiddleware,
     TaskiqDepends,
     TaskiqMiddleware,
@@ -21,12 +20,13 @@ from taskiq import (
 )
 
 from taskiq_deduplication import DeduplicationError, DuplicateTaskError
-from tests._brokers import HoldingBroker, KeptSchedules, retry_middleware
+from tests._brokers import HoldingBroker, KeptSchedules
 from tests.conftest import (
     BrokerFactory,
     MiddlewareFactory,
     all_topologies,
     dedup_middleware,
+    each_retry_order,
     lock_keys,
     lock_value,
     queued_job,
@@ -64,9 +64,8 @@ async def _refused(call: Any) -> bool:
 @pytest.mark.parametrize("row", ROWS)
 @pytest.mark.parametrize("policy", POLICIES)
 async def test_what_counts_as_a_duplicate(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, policy: str, row: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, policy: str, row: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
     seen: list[bool] = []
 
     @broker.task(task_name=None, **POLICIES[policy])
@@ -162,9 +161,8 @@ async def test_round_trips_of_each_policy(
 
 
 async def test_started_releases_at_start_with_no_heartbeat_when_runs_may_overlap(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
     during: list[Any] = []
 
     @broker.task(
@@ -186,10 +184,8 @@ async def test_started_releases_at_start_with_no_heartbeat_when_runs_may_overlap
 
 
 async def test_expired_leaves_the_lock_to_its_ttl_however_the_run_ends(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task(deduplication_until="expired", deduplication_ttl=30)
     async def digest(user_id: int) -> None:
         if user_id == 2:
@@ -209,22 +205,17 @@ async def test_expired_leaves_the_lock_to_its_ttl_however_the_run_ends(
     assert sent.task_id in holders  # the failed run's lock is there too
 
 
-@pytest.mark.parametrize("retry_first", [True, False], ids=["retry-first", "dedup-first"])
-@pytest.mark.parametrize("retry_class", [SimpleRetryMiddleware, SmartRetryMiddleware])
+@each_retry_order
 @pytest.mark.parametrize("policy", POLICIES)
 async def test_a_retry_is_never_its_own_duplicate_nor_lost(
-    make_middleware: MiddlewareFactory,
+    retry_and_dedup: list[TaskiqMiddleware],
     make_broker: BrokerFactory,
     redis_client: redis.asyncio.Redis,
     prefix: str,
     policy: str,
-    retry_class: type[TaskiqMiddleware],
-    retry_first: bool,
 ) -> None:
-    retry, dedup = retry_middleware(retry_class), make_middleware()
-    broker = await make_broker(
-        broker_class=HoldingBroker, middlewares=[retry, dedup] if retry_first else [dedup, retry]
-    )
+    broker = await make_broker(broker_class=HoldingBroker, middlewares=retry_and_dedup)
+    dedup = dedup_middleware(broker)
     attempts: list[str] = []
     refused_between: list[str | None] = []
 
@@ -269,17 +260,9 @@ async def test_a_retry_is_never_its_own_duplicate_nor_lost(
 
 @pytest.mark.parametrize("policy", POLICIES)
 async def test_exhausted_retries_end_the_lock_as_a_failure(
-    make_middleware: MiddlewareFactory,
-    make_broker: BrokerFactory,
-    redis_client: redis.asyncio.Redis,
-    prefix: str,
-    policy: str,
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str, policy: str
 ) -> None:
-    dedup = make_middleware()
-    broker = await make_broker(
-        broker_class=HoldingBroker,
-        middlewares=[dedup, SimpleRetryMiddleware(default_retry_count=3)],
-    )
+    broker = await make_broker(broker_class=HoldingBroker, retries=3)
     attempts = 0
 
     @broker.task(task_name=None, retry_on_error=True, **POLICIES[policy])
@@ -297,16 +280,9 @@ async def test_exhausted_retries_end_the_lock_as_a_failure(
 
 
 async def test_a_started_retry_goes_out_without_a_lock_behind_a_copy_queued_meanwhile(
-    make_middleware: MiddlewareFactory,
-    make_broker: BrokerFactory,
-    redis_client: redis.asyncio.Redis,
-    prefix: str,
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    dedup = make_middleware()
-    broker = await make_broker(
-        broker_class=HoldingBroker,
-        middlewares=[dedup, SimpleRetryMiddleware(default_retry_count=2)],
-    )
+    broker = await make_broker(broker_class=HoldingBroker, retries=2)
     runs: list[str] = []
 
     @broker.task(task_name=None, retry_on_error=True, deduplication_until="started")
@@ -327,9 +303,8 @@ async def test_a_started_retry_goes_out_without_a_lock_behind_a_copy_queued_mean
 
 @pytest.mark.parametrize("policy", ["started", "expired"])
 async def test_a_requeue_under_each_policy(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str, policy: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str, policy: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
     runs = 0
 
     @broker.task(task_name=None, deduplication_ttl=30, **POLICIES[policy])

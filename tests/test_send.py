@@ -29,10 +29,8 @@ from tests.conftest import (
 
 @all_topologies()
 async def test_second_identical_kiq_raises_naming_the_holder(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task
     async def send_email(user_id: int) -> None: ...
 
@@ -68,10 +66,8 @@ async def test_lock_value_names_the_holder_and_an_owner_token(
 
 
 async def test_duplicate_is_logged_as_a_warning_without_arguments(
-    make_broker: BrokerFactory, caplog: pytest.LogCaptureFixture
+    broker: HoldingBroker, caplog: pytest.LogCaptureFixture
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task
     async def charge(card_number: str) -> None: ...
 
@@ -247,10 +243,8 @@ async def test_ttl_label_on_the_decorator_and_on_the_call(
 
 
 async def test_opting_out_on_the_decorator_and_on_the_call(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task(deduplication=False)
     async def always_run(payload: str) -> None: ...
 
@@ -290,10 +284,8 @@ async def test_opt_in_mode(
 
 
 async def test_explicit_key_shares_one_lock_whatever_the_arguments(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task(deduplication_key="send-welcome-email")
     async def send_welcome_email(user_id: int, locale: str) -> None: ...
 
@@ -336,10 +328,8 @@ async def test_key_fields_deduplicate_on_a_subset_of_kwargs(make_broker: BrokerF
 
 
 async def test_missing_key_field_is_dropped_with_a_warning(
-    make_broker: BrokerFactory, caplog: pytest.LogCaptureFixture
+    broker: HoldingBroker, caplog: pytest.LogCaptureFixture
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task(deduplication_key_fields=["user_id", "tenant"])
     async def job(user_id: int, tenant: str = "main") -> None: ...
 
@@ -351,10 +341,8 @@ async def test_missing_key_field_is_dropped_with_a_warning(
 
 
 async def test_positional_arguments_with_key_fields_are_left_out_with_a_warning(
-    make_broker: BrokerFactory, caplog: pytest.LogCaptureFixture
+    broker: HoldingBroker, caplog: pytest.LogCaptureFixture
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task(deduplication_key_fields=["user_id"])
     async def job(item: str, user_id: int = 0) -> None: ...
 
@@ -401,14 +389,12 @@ async def test_labels_given_as_strings_are_read_as_their_values(make_broker: Bro
     ],
 )
 async def test_invalid_label_raises_before_anything_is_sent(
-    make_broker: BrokerFactory,
+    broker: HoldingBroker,
     redis_client: redis.asyncio.Redis,
     prefix: str,
     label: str,
     value: object,
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task
     async def job(user_id: int) -> None: ...
 
@@ -421,10 +407,8 @@ async def test_invalid_label_raises_before_anything_is_sent(
 
 
 async def test_arguments_that_cannot_be_fingerprinted_raise_naming_the_task(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task
     async def job(handle: Any) -> None: ...
 
@@ -449,10 +433,8 @@ async def test_duplicate_error_survives_pickling() -> None:
 
 
 async def test_foreign_lock_value_gives_no_holder(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task(deduplication_key="shared")
     async def job() -> None: ...
 
@@ -489,10 +471,8 @@ async def test_waiting_for_the_winner(make_broker: BrokerFactory) -> None:
 
 @all_topologies()
 async def test_a_burst_of_concurrent_identical_sends_lets_exactly_one_through(
-    make_broker: BrokerFactory,
+    broker: HoldingBroker,
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task
     async def job(n: int) -> None: ...
 

@@ -31,7 +31,7 @@ from taskiq_deduplication._ticks import INTERVAL_MARGIN_MS, ONE_OFF_TTL_MS, tick
 from taskiq_deduplication.scheduler import replica
 from tests._brokers import KeptSchedules, RefusingBroker
 from tests._server import Server
-from tests._tasks import held_report
+from tests._tasks import Gate, held_report
 from tests.conftest import BrokerFactory, MiddlewareFactory, dedup_middleware, wait_until
 
 NOW = datetime(2026, 12, 2, 6, 0, 10, tzinfo=timezone.utc)
@@ -264,19 +264,26 @@ async def test_taskiqs_own_scheduler_logs_a_tick_refused_by_the_tasks_lock_in_on
     assert f"not sent (schedule s): task {first.task_id} still holds its lock" in said[1][2]
 
 
+async def _one_off_report(
+    broker: InMemoryBroker,
+) -> tuple[Any, Gate, LabelScheduleSource, ScheduledTask]:
+    """``held_report`` with a one-off schedule for now, read from its labels.
+
+    Returns:
+        The task, its gate, the started source of its labels, and the one-off.
+    """
+    report, gate = held_report(broker, schedule=[{"time": NOW, "kwargs": {"day": "mon"}}])
+    source = LabelScheduleSource(broker)
+    await source.startup()
+    (once,) = await source.get_schedules()
+    return report, gate, source, once
+
+
 async def test_a_one_off_refused_by_its_tasks_lock_is_over_and_stays_over(
     make_broker: BrokerFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     broker = await make_broker()
-    release = asyncio.Event()
-
-    @broker.task(task_name="report", schedule=[{"time": NOW, "kwargs": {"day": "mon"}}])
-    async def report(day: str) -> None:
-        await release.wait()
-
-    source = LabelScheduleSource(broker)
-    await source.startup()
-    (once,) = await source.get_schedules()
+    report, gate, source, once = await _one_off_report(broker)
     scheduler = DeduplicationScheduler(broker, sources=[source])
     await report.kiq(day="mon")
     caplog.set_level(logging.INFO, logger="taskiq_deduplication")
@@ -289,7 +296,7 @@ async def test_a_one_off_refused_by_its_tasks_lock_is_over_and_stays_over(
     await restarted.startup()
     (again,) = await restarted.get_schedules()
     await scheduler.on_ready(restarted, again)
-    release.set()
+    gate.finish.set()
 
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
     assert len(said) == 3, said
@@ -423,15 +430,7 @@ async def test_taskiqs_own_scheduler_ends_a_one_off_refused_by_its_tasks_lock(
     make_broker: BrokerFactory,
 ) -> None:
     broker = await make_broker()
-    release = asyncio.Event()
-
-    @broker.task(task_name="report", schedule=[{"time": NOW, "kwargs": {"day": "mon"}}])
-    async def report(day: str) -> None:
-        await release.wait()
-
-    labels = LabelScheduleSource(broker)
-    await labels.startup()
-    (once,) = await labels.get_schedules()
+    report, gate, labels, once = await _one_off_report(broker)
     source = DeduplicatedScheduleSource(labels, dedup_middleware(broker))
     scheduler = TaskiqScheduler(broker, sources=[source])
     await report.kiq(day="mon")
@@ -445,7 +444,7 @@ async def test_taskiqs_own_scheduler_ends_a_one_off_refused_by_its_tasks_lock(
 
         await wait_until(over)
     finally:
-        release.set()
+        gate.finish.set()
 
 
 # A lone scheduler and its own tick locks

@@ -176,10 +176,8 @@ async def test_a_task_filter_over_locks_without_task_names_says_why_nothing_matc
 
 @all_topologies()
 async def test_pages_cross_a_large_keyspace_with_scan(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+    broker: HoldingBroker, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)
-
     @broker.task
     async def job(n: int) -> None: ...
 

@@ -133,6 +133,22 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+async def rates_over(
+    seconds: float, names: tuple[str, ...], sample: Callable[[], tuple[float, ...]]
+) -> dict[str, float]:
+    """Take ``sample()``, the figures ``names``, before and after waiting ``seconds``.
+
+    Returns:
+        ``"seconds"``, the wall time between the two samples, and for each
+        ``name``, ``"<name>_per_s"``: how fast that figure grew over it.
+    """
+    started, before = time.perf_counter(), sample()
+    await asyncio.sleep(seconds)
+    wall, after = time.perf_counter() - started, sample()
+    rates = zip(names, after, before, strict=True)
+    return {"seconds": wall} | {f"{name}_per_s": (a - b) / wall for name, a, b in rates}
+
+
 class Traffic:
     """Counts what redis-py's asyncio connections send, while installed.
 

@@ -23,8 +23,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from taskiq import InMemoryBroker
-
 from tests.benchmarks import scenarios
 from tests.benchmarks.harness import NullBroker, drive, numbers_from
 
@@ -179,42 +177,15 @@ async def _profile_kiq(bench: scenarios.Bench, *, dedup: bool, seconds: int, raw
 
 
 async def _profile_heartbeat(bench: scenarios.Bench, tasks: int, raw: Path) -> Results:
-    gate, all_running = asyncio.Event(), asyncio.Event()
-    running = 0
-
-    async def hold(n: int) -> int:
-        nonlocal running
-        running += 1
-        if running == tasks:
-            all_running.set()
-        await gate.wait()
-        return n
-
-    broker = InMemoryBroker().with_middlewares(
-        bench.dedup(bench.prefix("G"), default_ttl=scenarios.HEARTBEAT_TTL)
-    )
-    kiq = broker.task(task_name="bench_hold")(hold).kiq
-    await broker.startup()
-    numbers = iter(range(tasks))
-
-    async def caller() -> None:
-        for n in numbers:
-            await kiq(n)
-
     async def idle(stop: asyncio.Event) -> None:
         await stop.wait()
 
-    try:
-        await asyncio.gather(*(caller() for _ in range(scenarios.FILL_CALLERS)))
-        await all_running.wait()
+    middleware = bench.dedup(bench.prefix("G"), default_ttl=scenarios.HEARTBEAT_TTL)
+    async with scenarios.held_tasks(middleware, tasks):
         await asyncio.sleep(1.5)
         cpu = time.process_time()
         elapsed = await _sampled(3, raw, idle)
         cpu = time.process_time() - cpu
-    finally:
-        gate.set()
-        await broker.wait_all()
-        await broker.shutdown()
     ticks = round(elapsed / scenarios.HEARTBEAT_INTERVAL)
     figures = _breakdown(raw, ticks, elapsed)
     figures["cpu_s_per_tick"] = cpu / max(ticks, 1)

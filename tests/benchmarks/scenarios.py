@@ -50,6 +50,7 @@ from tests.benchmarks.harness import (
     new_prefix,
     numbers_from,
     percentile,
+    rates_over,
 )
 
 Results = dict[str, Any]
@@ -638,8 +639,13 @@ async def heartbeat(bench: Bench) -> Results:
     return figures
 
 
-async def _heartbeat_window(bench: Bench, tasks: int, *, beating: bool) -> Results:
-    settings = bench.settings
+@contextlib.asynccontextmanager
+async def held_tasks(middleware: RedisDeduplicationMiddleware, tasks: int) -> AsyncIterator[None]:
+    """Inside, ``tasks`` distinct calls of a task that waits all run behind ``middleware``.
+
+    ``FILL_CALLERS`` callers send them on an ``InMemoryBroker``; on the way out the
+    tasks end and the broker shuts down.
+    """
     gate, all_running = asyncio.Event(), asyncio.Event()
     running = 0
 
@@ -651,9 +657,7 @@ async def _heartbeat_window(bench: Bench, tasks: int, *, beating: bool) -> Resul
         await gate.wait()
         return n
 
-    broker = InMemoryBroker().with_middlewares(
-        bench.dedup(bench.prefix("H"), default_ttl=HEARTBEAT_TTL, heartbeat=beating)
-    )
+    broker = InMemoryBroker().with_middlewares(middleware)
     kiq = broker.task(task_name="bench_hold")(hold).kiq
     await broker.startup()
     numbers = iter(range(tasks))
@@ -665,39 +669,26 @@ async def _heartbeat_window(bench: Bench, tasks: int, *, beating: bool) -> Resul
     try:
         await asyncio.gather(*(caller() for _ in range(FILL_CALLERS)))
         await all_running.wait()
-        await asyncio.sleep(settings.heartbeat_settle)
-        probe, traffic = bench.probe, bench.traffic
-        before = (
-            time.perf_counter(),
-            time.process_time(),
-            *traffic.snapshot(),
-            probe.server_cpu(),
-            probe.script_calls(),
-        )
-        await asyncio.sleep(settings.heartbeat_window)
-        after = (
-            time.perf_counter(),
-            time.process_time(),
-            *traffic.snapshot(),
-            probe.server_cpu(),
-            probe.script_calls(),
-        )
+        yield
     finally:
         gate.set()
         await broker.wait_all()
         await broker.shutdown()
-    wall = after[0] - before[0]
-    deltas = [(a - b) / wall for a, b in zip(after[1:], before[1:], strict=True)]
-    cpu, trips, writes, commands, server_cpu, scripts = deltas
-    return {
-        "seconds": wall,
-        "cpu_s_per_s": cpu,
-        "round_trips_per_s": trips,
-        "writes_per_s": writes,
-        "commands_per_s": commands,
-        "server_cpu_s_per_s": server_cpu,
-        "script_calls_per_s": scripts,
-    }
+
+
+async def _heartbeat_window(bench: Bench, tasks: int, *, beating: bool) -> Results:
+    settings = bench.settings
+    middleware = bench.dedup(bench.prefix("H"), default_ttl=HEARTBEAT_TTL, heartbeat=beating)
+    async with held_tasks(middleware, tasks):
+        await asyncio.sleep(settings.heartbeat_settle)
+        probe, traffic = bench.probe, bench.traffic
+
+        def sample() -> tuple[float, ...]:
+            snapshot = traffic.snapshot()
+            return (time.process_time(), *snapshot, probe.server_cpu(), probe.script_calls())
+
+        names = ("cpu_s", "round_trips", "writes", "commands", "server_cpu_s", "script_calls")
+        return await rates_over(settings.heartbeat_window, names, sample)
 
 
 # 6: Redis memory per held lock

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tests.benchmarks import worker_app
-from tests.benchmarks.harness import median, new_prefix
+from tests.benchmarks.harness import median, new_prefix, rates_over
 
 if TYPE_CHECKING:
     from tests.benchmarks.scenarios import Bench
@@ -271,36 +271,16 @@ async def _held_window(bench: Bench, tasks: int, *, beating: bool) -> Results:
         )
         await asyncio.sleep(settings.heartbeat_settle)
         probe = bench.probe
-        before = (
-            time.perf_counter(),
-            *_traffic(bench, workers),
-            probe.server_cpu(),
-            probe.script_calls(),
-        )
-        await asyncio.sleep(settings.heartbeat_window)
-        after = (
-            time.perf_counter(),
-            *_traffic(bench, workers),
-            probe.server_cpu(),
-            probe.script_calls(),
-        )
+
+        def sample() -> tuple[float, ...]:
+            return (*_traffic(bench, workers), probe.server_cpu(), probe.script_calls())
+
+        names = ("round_trips", "writes", "commands", "cpu_s", "server_cpu_s", "script_calls")
+        figures = await rates_over(settings.heartbeat_window, names, sample)
         locks = probe.count(workers.prefix)
     finally:
         workers.stop()
-    wall = after[0] - before[0]
-    trips, writes, commands, cpu, server_cpu, scripts = (
-        (a - b) / wall for a, b in zip(after[1:], before[1:], strict=True)
-    )
-    return {
-        "seconds": wall,
-        "locks_held": locks,
-        "round_trips_per_s": trips,
-        "writes_per_s": writes,
-        "commands_per_s": commands,
-        "cpu_s_per_s": cpu,
-        "server_cpu_s_per_s": server_cpu,
-        "script_calls_per_s": scripts,
-    }
+    return {**figures, "locks_held": locks}
 
 
 async def held(bench: Bench) -> Results:

@@ -12,13 +12,72 @@ from __future__ import annotations
 
 import os
 import signal
+from typing import Any
 
 import pytest
+from taskiq import AsyncTaskiqTask
 
-from tests.e2e.conftest import Launch, is_alive
+from tests.e2e.conftest import App, Launch, is_alive
 
 TTL = 3
 HEARTBEAT = 1.0
+
+Run = dict[str, Any]
+"""A run of ``hold`` as the application reports it: its ``pid`` and ``task_id``, among others."""
+
+
+async def _one_running(app: App) -> tuple[AsyncTaskiqTask[Any], Run, str]:
+    """Send ``hold(tag="k")``, start a worker and return once it runs.
+
+    Returns:
+        The call's handle, its run and its lock key.
+    """
+    handle = await app.tasks.hold.kiq(tag="k")
+    app.start_worker()
+    [run] = await app.wait_started("k")
+    key = await app.lock_of(handle.task_id)
+    assert key is not None
+    return handle, run, key
+
+
+async def _crash(app: App, pid: int) -> None:
+    """SIGKILL the worker process ``pid``, as a crash does, and wait until it is gone."""
+    os.kill(pid, signal.SIGKILL)
+
+    async def dead() -> bool:
+        return not is_alive(pid)
+
+    await app.wait_until(dead, "the worker process to die")
+
+
+async def _runs_again_under_its_lock(
+    app: App, handle: AsyncTaskiqTask[Any], first: Run, key: str, ttl: float
+) -> None:
+    """Check that the message of a killed ``first`` run runs again, in another process.
+
+    The second run keeps the lock at ``key`` alive (``ttl``), and it still refuses
+    a duplicate of ``handle``.
+    """
+    second = (await app.wait_started("k", runs=2))[1]
+    assert second["task_id"] == handle.task_id
+    assert second["pid"] != first["pid"]
+    await app.wait_refreshed(key, ttl)
+    assert (await app.holders()).get(key) == handle.task_id
+    await app.assert_duplicate(app.tasks.hold, handle.task_id, tag="k")
+
+
+async def _expires_then_runs_again(app: App, key: str, ttl: float) -> None:
+    """Watch the lock at ``key`` expire within ``ttl``; then a new call runs, a second run."""
+    await app.watch_expire(key, ttl)
+    again = await app.tasks.hold.kiq(tag="k")
+    await _ends_as_a_second_run(app, again)
+
+
+async def _ends_as_a_second_run(app: App, handle: AsyncTaskiqTask[Any]) -> None:
+    """Let the runs of ``k`` end: ``handle``'s result is a second run, and no lock is left."""
+    await app.open_gate("k")
+    assert (await handle.wait_result(timeout=20)).return_value["run"] == 2
+    assert await app.locks() == {}
 
 
 @pytest.mark.parametrize("broker", ["redis-list", "redis-stream", "nats"])
@@ -26,51 +85,27 @@ async def test_killed_worker_leaves_a_lock_that_expires_on_its_ttl(
     launch: Launch, broker: str
 ) -> None:
     app = await launch(broker=broker, default_ttl=TTL, heartbeat_interval=HEARTBEAT)
-    handle = await app.tasks.hold.kiq(tag="k")
-    app.start_worker()
-    [run] = await app.wait_started("k")
-    key = await app.lock_of(handle.task_id)
-    assert key is not None
+    handle, run, key = await _one_running(app)
 
-    os.kill(run["pid"], signal.SIGKILL)
-
-    async def dead() -> bool:
-        return not is_alive(run["pid"])
-
-    await app.wait_until(dead, "the worker process to die")
+    await _crash(app, run["pid"])
     assert (await app.holders()).get(key) == handle.task_id
     await app.assert_duplicate(app.tasks.hold, handle.task_id, tag="k")
     # Its last heartbeat gave it at most TTL seconds (so it is gone within TTL +
     # one interval of the kill), and nothing refreshes it any more.
-    await app.watch_expire(key, TTL)
-
-    again = await app.tasks.hold.kiq(tag="k")
-    await app.open_gate("k")
-    assert (await again.wait_result(timeout=20)).return_value["run"] == 2
-    assert await app.locks() == {}
+    await _expires_then_runs_again(app, key, TTL)
 
 
 async def test_killed_worker_on_rabbitmq_is_redelivered_under_the_same_lock(
     launch: Launch,
 ) -> None:
     app = await launch(broker="rabbitmq", default_ttl=TTL, heartbeat_interval=HEARTBEAT)
-    handle = await app.tasks.hold.kiq(tag="k")
-    app.start_worker()
-    [first] = await app.wait_started("k")
-    key = await app.lock_of(handle.task_id)
-    assert key is not None
+    handle, first, key = await _one_running(app)
 
     os.kill(first["pid"], signal.SIGKILL)
-    second = (await app.wait_started("k", runs=2))[1]
-    assert second["task_id"] == handle.task_id
-    assert second["pid"] != first["pid"]
-    await app.wait_refreshed(key, TTL)  # the new run keeps the lock alive
-    assert (await app.holders()).get(key) == handle.task_id
-    await app.assert_duplicate(app.tasks.hold, handle.task_id, tag="k")
+    # Another worker process runs it again, and keeps the lock alive.
+    await _runs_again_under_its_lock(app, handle, first, key, TTL)
 
-    await app.open_gate("k")
-    assert (await handle.wait_result(timeout=20)).return_value["run"] == 2
-    assert await app.locks() == {}
+    await _ends_as_a_second_run(app, handle)
 
 
 # A running lease: the queued task keeps the full TTL, the running one a short lease.
@@ -100,18 +135,9 @@ async def test_killed_worker_with_a_running_lease_frees_the_lock_within_the_leas
     await app.wait_refreshed(key, LEASE)  # kept alive past the lease while it runs
     await app.assert_duplicate(app.tasks.hold, handle.task_id, tag="k")
 
-    os.kill(run["pid"], signal.SIGKILL)
-
-    async def dead() -> bool:
-        return not is_alive(run["pid"])
-
-    await app.wait_until(dead, "the worker process to die")
+    await _crash(app, run["pid"])
     # Freed within the lease of the kill, not the 300 s TTL.
-    await app.watch_expire(key, LEASE)
-    again = await app.tasks.hold.kiq(tag="k")
-    await app.open_gate("k")
-    assert (await again.wait_result(timeout=20)).return_value["run"] == 2
-    assert await app.locks() == {}
+    await _expires_then_runs_again(app, key, LEASE)
 
 
 async def test_killed_worker_on_rabbitmq_with_a_running_lease_is_redelivered_once(
@@ -120,26 +146,15 @@ async def test_killed_worker_on_rabbitmq_with_a_running_lease_is_redelivered_onc
     app = await launch(
         broker="rabbitmq", default_ttl=LONG_TTL, heartbeat_interval=0.5, running_ttl=LEASE
     )
-    handle = await app.tasks.hold.kiq(tag="k")
-    app.start_worker()
-    [first] = await app.wait_started("k")
-    key = await app.lock_of(handle.task_id)
-    assert key is not None
+    handle, first, key = await _one_running(app)
 
     os.kill(first["pid"], signal.SIGKILL)
     # RabbitMQ hands the unacknowledged message to the other worker process at
     # once: it runs under the same lock (re-asserted on the lease, or taken back
     # if the lease had lapsed), is not refused, and runs exactly once more.
-    second = (await app.wait_started("k", runs=2))[1]
-    assert second["task_id"] == handle.task_id
-    assert second["pid"] != first["pid"]
-    await app.wait_refreshed(key, LEASE)
-    assert (await app.holders()).get(key) == handle.task_id
-    await app.assert_duplicate(app.tasks.hold, handle.task_id, tag="k")
+    await _runs_again_under_its_lock(app, handle, first, key, LEASE)
 
-    await app.open_gate("k")
-    assert (await handle.wait_result(timeout=20)).return_value["run"] == 2
-    assert await app.locks() == {}
+    await _ends_as_a_second_run(app, handle)
 
 
 @pytest.mark.parametrize("broker", ["redis-list", "rabbitmq", "nats"])

@@ -94,6 +94,19 @@ async def make_recording_broker(
         pytest.fail(f"{stuck} broker.shutdown() did not return within {_SHUTDOWN_LIMIT}s")
 
 
+@pytest.fixture
+def make_fast_broker(make_recording_broker: BrokerMaker, server: Server) -> BrokerMaker:
+    """``make_recording_broker`` on this test's own server, failing fast (``FAST``).
+
+    ``await make_fast_broker(**options)`` takes the same options, all but the URL.
+    """
+
+    async def make(**options: Any) -> RecordingBroker:
+        return await make_recording_broker(f"{server.url}?{FAST}", **options)
+
+    return make
+
+
 async def _stop_tasks(broker: RecordingBroker) -> None:
     """Let the broker's running tasks end; cancel those a failed test left waiting.
 

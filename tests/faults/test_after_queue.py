@@ -9,9 +9,9 @@ import pytest
 
 from taskiq_deduplication import DuplicateTaskError
 from tests._server import Server
-from tests._tasks import echo_task, held_task
+from tests._tasks import echo_task, held_run, held_task
 from tests.faults._harness import GRACE_TTL_MS, LogRecords, admin, lock_keys, wait_until
-from tests.faults.conftest import FAST, BrokerMaker, Recovery
+from tests.faults.conftest import BrokerMaker, Recovery
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -20,15 +20,14 @@ pytestmark = pytest.mark.timeout(30)
 
 
 async def test_redis_lost_right_after_the_send_is_logged_and_the_result_delivered(
-    make_recording_broker: BrokerMaker, server: Server, logs: LogRecords, recovery: Recovery
+    make_fast_broker: BrokerMaker, server: Server, logs: LogRecords, recovery: Recovery
 ) -> None:
     async def redis_dies() -> None:  # the broker has the message; Redis goes away
         server.stop()
 
     # Not exclusive: an exclusive run would wait for Redis, at most a lease,
     # before it begins (tests/test_exclusive.py).
-    broker = await make_recording_broker(
-        f"{server.url}?{FAST}",
+    broker = await make_fast_broker(
         on_kick=redis_dies,
         default_ttl=30,
         heartbeat_interval=0.3,
@@ -59,19 +58,13 @@ async def test_redis_lost_right_after_the_send_is_logged_and_the_result_delivere
 
 
 async def test_redis_lost_while_the_task_runs_is_logged_and_the_result_delivered(
-    make_recording_broker: BrokerMaker, server: Server, logs: LogRecords
+    make_fast_broker: BrokerMaker, server: Server, logs: LogRecords
 ) -> None:
-    broker = await make_recording_broker(
-        f"{server.url}?{FAST}", default_ttl=3, heartbeat_interval=0.3
-    )
-    work, gate = held_task(broker)
-    started, finish = gate.started, gate.finish
-
-    handle = await work.kiq(x=1)
-    await asyncio.wait_for(started.wait(), 5)
+    broker = await make_fast_broker(default_ttl=3, heartbeat_interval=0.3)
+    _, gate, handle = await held_run(broker)
     server.stop()
     await asyncio.sleep(0.8)  # heartbeat refreshes fail meanwhile
-    finish.set()
+    gate.finish.set()
     result = await handle.wait_result(timeout=10)
     assert result.return_value == 1
     await broker.wait_all()
@@ -80,22 +73,16 @@ async def test_redis_lost_while_the_task_runs_is_logged_and_the_result_delivered
 
 
 async def test_redis_hung_while_the_task_runs_lets_the_lock_expire_on_its_ttl(
-    make_recording_broker: BrokerMaker, server: Server, prefix: str, logs: LogRecords
+    make_fast_broker: BrokerMaker, server: Server, prefix: str, logs: LogRecords
 ) -> None:
     # Paused, the server keeps its data: the lock is still there when it wakes,
     # and must go away by itself (released late, or expired on its 3 s TTL).
-    broker = await make_recording_broker(
-        f"{server.url}?{FAST}", default_ttl=3, heartbeat_interval=0.3
-    )
-    work, gate = held_task(broker)
-    started, finish = gate.started, gate.finish
-
-    handle = await work.kiq(x=1)
-    await asyncio.wait_for(started.wait(), 5)
+    broker = await make_fast_broker(default_ttl=3, heartbeat_interval=0.3)
+    _, gate, handle = await held_run(broker)
     server.pause()
     try:
         await asyncio.sleep(0.7)  # a refresh times out
-        finish.set()
+        gate.finish.set()
         result = await handle.wait_result(timeout=10)  # the release times out too
         assert result.return_value == 1
         await broker.wait_all()
@@ -114,18 +101,14 @@ async def test_redis_hung_while_the_task_runs_lets_the_lock_expire_on_its_ttl(
 
 
 async def test_heartbeat_takes_the_lock_back_after_a_restart(
-    make_recording_broker: BrokerMaker,
+    make_fast_broker: BrokerMaker,
     server: Server,
     prefix: str,
     logs: LogRecords,
     recovery: Recovery,
 ) -> None:
-    broker = await make_recording_broker(f"{server.url}?{FAST}", default_ttl=3)  # refresh every 1 s
-    work, gate = held_task(broker)
-    started, finish = gate.started, gate.finish
-
-    handle = await work.kiq(x=1)
-    await asyncio.wait_for(started.wait(), 5)
+    broker = await make_fast_broker(default_ttl=3)  # refresh every 1 s
+    work, gate, handle = await held_run(broker)
     await asyncio.to_thread(server.restart)
     restarted_at = time.monotonic()
     with admin(server.port) as client:
@@ -139,7 +122,7 @@ async def test_heartbeat_takes_the_lock_back_after_a_restart(
         await work.kiq(x=1)
     assert caught.value.holder_task_id == handle.task_id
 
-    finish.set()
+    gate.finish.set()
     result = await handle.wait_result(timeout=5)
     assert result.return_value == 1
     await broker.wait_all()
@@ -147,9 +130,9 @@ async def test_heartbeat_takes_the_lock_back_after_a_restart(
 
 
 async def test_reassert_at_execution_takes_back_a_lock_lost_while_queued(
-    make_recording_broker: BrokerMaker, server: Server, prefix: str, logs: LogRecords
+    make_fast_broker: BrokerMaker, server: Server, prefix: str, logs: LogRecords
 ) -> None:
-    broker = await make_recording_broker(f"{server.url}?{FAST}", hold=True, default_ttl=30)
+    broker = await make_fast_broker(hold=True, default_ttl=30)
     work, gate = held_task(broker)
     running, finish = gate.started, gate.finish
 
@@ -169,11 +152,9 @@ async def test_reassert_at_execution_takes_back_a_lock_lost_while_queued(
 
 
 async def test_a_task_whose_lock_another_send_took_while_queued_leaves_it_alone(
-    make_recording_broker: BrokerMaker, server: Server, prefix: str, logs: LogRecords
+    make_fast_broker: BrokerMaker, server: Server, prefix: str, logs: LogRecords
 ) -> None:
-    broker = await make_recording_broker(
-        f"{server.url}?{FAST}", hold=True, default_ttl=30, default_exclusive=False
-    )
+    broker = await make_fast_broker(hold=True, default_ttl=30, default_exclusive=False)
 
     work = echo_task(broker)
 
@@ -195,23 +176,17 @@ async def test_a_task_whose_lock_another_send_took_while_queued_leaves_it_alone(
 
 
 async def test_heartbeat_gives_up_a_lock_another_send_took_after_a_restart(
-    make_recording_broker: BrokerMaker, server: Server, prefix: str, logs: LogRecords
+    make_fast_broker: BrokerMaker, server: Server, prefix: str, logs: LogRecords
 ) -> None:
-    broker = await make_recording_broker(
-        f"{server.url}?{FAST}", default_ttl=6, heartbeat_interval=2
-    )
-    work, gate = held_task(broker)
-    started, finish = gate.started, gate.finish
-
-    first = await work.kiq(x=1)
-    await asyncio.wait_for(started.wait(), 5)
+    broker = await make_fast_broker(default_ttl=6, heartbeat_interval=2)
+    work, gate, first = await held_run(broker)
     await asyncio.to_thread(server.restart)  # well before the first refresh, at 2 s
     broker.hold = True
     second = await work.kiq(x=1)  # queued, not running
     await wait_until(
         lambda: _async(bool(logs.warnings("no longer refreshing it"))), timeout=5, interval=0.05
     )
-    finish.set()
+    gate.finish.set()
     assert (await first.wait_result(timeout=5)).return_value == 1
     await broker.wait_all()
     with admin(server.port) as client:
@@ -234,7 +209,7 @@ async def _no_locks(server: Server, prefix: str) -> bool:
 
 @pytest.mark.parametrize("fault", ["pause", "stop"])
 async def test_shutdown_with_redis_gone_returns_within_the_timeout(
-    fault: str, make_recording_broker: BrokerMaker, server: Server
+    fault: str, make_fast_broker: BrokerMaker, server: Server
 ) -> None:
     async def redis_goes() -> None:  # with the extension after the send still to go
         if fault == "pause":
@@ -242,7 +217,7 @@ async def test_shutdown_with_redis_gone_returns_within_the_timeout(
         else:
             server.stop()
 
-    broker = await make_recording_broker(f"{server.url}?{FAST}", on_kick=redis_goes, default_ttl=30)
+    broker = await make_fast_broker(on_kick=redis_goes, default_ttl=30)
 
     work = echo_task(broker)
 

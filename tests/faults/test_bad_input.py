@@ -9,68 +9,75 @@ from __future__ import annotations
 import asyncio
 import math
 import re
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 import redis.asyncio
 
 from taskiq_deduplication import RedisDeduplicationMiddleware
+from tests.faults._harness import RecordingBroker
 from tests.faults.conftest import BrokerMaker
 
 pytestmark = pytest.mark.timeout(20)
 
+#: The ``nothing_went_out`` fixture: ``await nothing_went_out()`` checks a refused call.
+Check = Callable[[], Awaitable[None]]
+
+
+@pytest.fixture
+async def broker(make_recording_broker: BrokerMaker, redis_url: str) -> RecordingBroker:
+    """A started recording broker on the session's server, under this test's prefix."""
+    return await make_recording_broker(redis_url)
+
+
+@pytest.fixture
+def nothing_went_out(
+    broker: RecordingBroker, redis_client: redis.asyncio.Redis, prefix: str
+) -> Check:
+    """Check that a refused call left nothing behind: no message sent, no key written."""
+
+    async def check() -> None:
+        assert broker.sent == []
+        assert await redis_client.keys(f"{prefix}:*") == []
+
+    return check
+
+
+def _user_task(broker: RecordingBroker, task_name: str | None = None, **labels: Any) -> Any:
+    """Register ``work(user_id)``, which returns ``user_id``, with ``labels`` on the task."""
+
+    async def work(user_id: int) -> int:
+        return user_id
+
+    return broker.register_task(work, task_name=task_name, **labels)
+
+
+def _label_values(label: str, *values: object) -> list[tuple[str, object]]:
+    """One case a value: ``(label, value)``, in the order given."""
+    return [(label, value) for value in values]
+
+
+def _alone(option: str, *values: object) -> list[tuple[str, dict[str, Any]]]:
+    """One case a value: ``option`` set to it, every other option left at its default."""
+    return [(option, {option: value}) for value in values]
+
+
 _OPTION_CASES: list[tuple[str, dict[str, Any]]] = [
-    ("redis_url", {"redis_url": None}),
-    ("redis_url", {"redis_url": ""}),
-    ("redis_url", {"redis_url": 6379}),
-    ("redis_url", {"redis_url": "http://127.0.0.1:6379"}),
-    ("redis_url", {"redis_url": "127.0.0.1:6379"}),
+    *_alone("redis_url", None, "", 6379, "http://127.0.0.1:6379", "127.0.0.1:6379"),
     ("client", {"redis_url": None, "client": object()}),
     ("client", {"client": "redis://127.0.0.1:6379"}),
-    ("default_deduplication", {"default_deduplication": "yes"}),
-    ("default_deduplication", {"default_deduplication": 1}),
-    ("default_deduplication", {"default_deduplication": None}),
-    ("default_ttl", {"default_ttl": 0}),
-    ("default_ttl", {"default_ttl": -1}),
-    ("default_ttl", {"default_ttl": 1.5}),
-    ("default_ttl", {"default_ttl": "300"}),
-    ("default_ttl", {"default_ttl": True}),
-    ("default_ttl", {"default_ttl": None}),
-    ("key_prefix", {"key_prefix": ""}),
-    ("key_prefix", {"key_prefix": 1}),
-    ("key_prefix", {"key_prefix": None}),
-    ("key_prefix", {"key_prefix": b"taskiq"}),
-    ("key_prefix", {"key_prefix": b"app-\xe9".decode("utf-8", "surrogateescape")}),
-    ("startup_retries", {"startup_retries": 0}),
-    ("startup_retries", {"startup_retries": -1}),
-    ("startup_retries", {"startup_retries": 2.0}),
-    ("startup_retries", {"startup_retries": "3"}),
-    ("startup_retries", {"startup_retries": True}),
-    ("startup_retries", {"startup_retries": None}),
-    ("startup_retry_delay", {"startup_retry_delay": -0.1}),
-    ("startup_retry_delay", {"startup_retry_delay": "1"}),
-    ("startup_retry_delay", {"startup_retry_delay": True}),
-    ("startup_retry_delay", {"startup_retry_delay": None}),
-    ("startup_retry_delay", {"startup_retry_delay": math.nan}),
-    ("heartbeat", {"heartbeat": "yes"}),
-    ("heartbeat", {"heartbeat": 0}),
-    ("heartbeat", {"heartbeat": None}),
-    ("heartbeat_interval", {"heartbeat_interval": 0}),
-    ("heartbeat_interval", {"heartbeat_interval": -1}),
-    ("heartbeat_interval", {"heartbeat_interval": "5"}),
-    ("heartbeat_interval", {"heartbeat_interval": True}),
-    ("heartbeat_interval", {"heartbeat_interval": math.nan}),
-    ("heartbeat_interval", {"heartbeat_interval": math.inf}),
+    *_alone("default_deduplication", "yes", 1, None),
+    *_alone("default_ttl", 0, -1, 1.5, "300", True, None),
+    *_alone("key_prefix", "", 1, None, b"taskiq", b"app-\xe9".decode("utf-8", "surrogateescape")),
+    *_alone("startup_retries", 0, -1, 2.0, "3", True, None),
+    *_alone("startup_retry_delay", -0.1, "1", True, None, math.nan),
+    *_alone("heartbeat", "yes", 0, None),
+    *_alone("heartbeat_interval", 0, -1, "5", True, math.nan, math.inf),
     ("heartbeat_interval", {"heartbeat_interval": 300}),  # = default_ttl: lapses
     ("heartbeat_interval", {"default_ttl": 10, "heartbeat_interval": 12.5}),
-    ("fail_open", {"fail_open": "no"}),
-    ("fail_open", {"fail_open": 1}),
-    ("fail_open", {"fail_open": None}),
-    ("running_ttl", {"running_ttl": 0}),
-    ("running_ttl", {"running_ttl": -1}),
-    ("running_ttl", {"running_ttl": 1.5}),
-    ("running_ttl", {"running_ttl": "15"}),
-    ("running_ttl", {"running_ttl": True}),
+    *_alone("fail_open", "no", 1, None),
+    *_alone("running_ttl", 0, -1, 1.5, "15", True),
     ("running_ttl", {"running_ttl": 15, "heartbeat": False}),  # nobody keeps the lease
     ("running_ttl", {"running_ttl": 5, "heartbeat_interval": 5}),  # lapses between beats
 ]
@@ -120,43 +127,16 @@ def test_an_option_no_deployment_can_use_is_refused(
 
 
 _LABEL_CASES: list[tuple[str, object]] = [
-    ("deduplication", "maybe"),
-    ("deduplication", 2),
-    ("deduplication", ""),
-    ("deduplication", None),
-    ("deduplication_ttl", "abc"),
-    ("deduplication_ttl", 0),
-    ("deduplication_ttl", -5),
-    ("deduplication_ttl", "-5"),
-    ("deduplication_ttl", ""),
-    ("deduplication_ttl", 1.5),
-    ("deduplication_ttl", "1.5"),
-    ("deduplication_ttl", True),
-    ("deduplication_ttl", "0x10"),
-    ("deduplication_ttl", [30]),
-    ("deduplication_ttl", None),
-    ("deduplication_key", ""),
-    ("deduplication_key", b""),
+    *_label_values("deduplication", "maybe", 2, "", None),
+    *_label_values(
+        "deduplication_ttl", "abc", 0, -5, "-5", "", 1.5, "1.5", True, "0x10", [30], None
+    ),
+    *_label_values("deduplication_key", "", b""),
     # What os.listdir gives for a file name that is not UTF-8: no Redis client can send it.
     ("deduplication_key", "file:" + b"report-\xe9.csv".decode("utf-8", "surrogateescape")),
-    ("deduplication_key_fields", "user_id"),
-    ("deduplication_key_fields", []),
-    ("deduplication_key_fields", ()),
-    ("deduplication_key_fields", ""),
-    ("deduplication_key_fields", "["),
-    ("deduplication_key_fields", [1]),
-    ("deduplication_key_fields", ["user id"]),
-    ("deduplication_key_fields", [""]),
-    ("deduplication_key_fields", {"user_id": 1}),
-    ("deduplication_key_fields", "['a'] + ['b']"),
-    ("deduplication_key_fields", None),
-    ("deduplication_key_fields", 7),
-    ("deduplication_running_ttl", "abc"),
-    ("deduplication_running_ttl", 0),
-    ("deduplication_running_ttl", "-5"),
-    ("deduplication_running_ttl", 1.5),
-    ("deduplication_running_ttl", True),
-    ("deduplication_running_ttl", None),
+    *_label_values("deduplication_key_fields", "user_id", [], (), "", "[", [1], ["user id"], [""]),
+    *_label_values("deduplication_key_fields", {"user_id": 1}, "['a'] + ['b']", None, 7),
+    *_label_values("deduplication_running_ttl", "abc", 0, "-5", 1.5, True, None),
 ]
 
 
@@ -166,22 +146,14 @@ _LABEL_CASES: list[tuple[str, object]] = [
 async def test_a_malformed_label_at_the_call_raises_value_error_naming_it(
     label: str,
     value: object,
-    make_recording_broker: BrokerMaker,
-    redis_url: str,
-    redis_client: redis.asyncio.Redis,
-    prefix: str,
+    broker: RecordingBroker,
+    nothing_went_out: Check,
 ) -> None:
-    broker = await make_recording_broker(redis_url)
-
-    @broker.task
-    async def work(user_id: int) -> int:
-        return user_id
-
+    work = _user_task(broker)
     labels: dict[str, Any] = {label: value}
     with pytest.raises(ValueError, match=label):
         await work.kicker().with_labels(**labels).kiq(user_id=1)
-    assert broker.sent == []
-    assert await redis_client.keys(f"{prefix}:*") == []
+    await nothing_went_out()
 
 
 @pytest.mark.parametrize(
@@ -191,44 +163,28 @@ async def test_a_malformed_label_at_the_call_raises_value_error_naming_it(
 async def test_a_malformed_label_on_the_task_raises_value_error_naming_it(
     label: str,
     value: object,
-    make_recording_broker: BrokerMaker,
-    redis_url: str,
-    redis_client: redis.asyncio.Redis,
-    prefix: str,
+    broker: RecordingBroker,
+    nothing_went_out: Check,
 ) -> None:
-    broker = await make_recording_broker(redis_url)
     labels: dict[str, Any] = {label: value}
-
-    @broker.task("bad_label_task", **labels)
-    async def work(user_id: int) -> int:
-        return user_id
-
+    work = _user_task(broker, "bad_label_task", **labels)
     with pytest.raises(ValueError, match=label):
         await work.kiq(user_id=1)
-    assert broker.sent == []
-    assert await redis_client.keys(f"{prefix}:*") == []
+    await nothing_went_out()
 
 
 async def test_a_ttl_label_redis_cannot_store_raises_value_error_naming_it(
-    make_recording_broker: BrokerMaker,
-    redis_url: str,
-    redis_client: redis.asyncio.Redis,
-    prefix: str,
+    broker: RecordingBroker,
+    nothing_went_out: Check,
 ) -> None:
     # 10**16 s is 10**19 ms, past Redis's signed 64-bit PX. The acquire (at the
     # 10 s grace TTL) still works, so the kiq goes through; then the extension
     # to the full TTL and every heartbeat refresh fail inside Redis, and the
     # lock of a task that may run for hours silently lapses after 10 s.
-    broker = await make_recording_broker(redis_url)
-
-    @broker.task
-    async def work(user_id: int) -> int:
-        return user_id
-
+    work = _user_task(broker)
     with pytest.raises(ValueError, match="deduplication_ttl"):
         await work.kicker().with_labels(deduplication_ttl=10**16).kiq(user_id=1)
-    assert broker.sent == []
-    assert await redis_client.keys(f"{prefix}:*") == []
+    await nothing_went_out()
 
 
 class _Opaque:
@@ -251,13 +207,9 @@ def _circular() -> list[object]:
 )
 async def test_arguments_the_fingerprint_cannot_encode_raise_type_error(
     value: object,
-    make_recording_broker: BrokerMaker,
-    redis_url: str,
-    redis_client: redis.asyncio.Redis,
-    prefix: str,
+    broker: RecordingBroker,
+    nothing_went_out: Check,
 ) -> None:
-    broker = await make_recording_broker(redis_url)
-
     @broker.task
     async def work(payload: Any) -> None:
         return None
@@ -266,8 +218,7 @@ async def test_arguments_the_fingerprint_cannot_encode_raise_type_error(
         await work.kiq(payload=value)
     assert "deduplication_key" in str(caught.value)  # says how to get out of it
     assert "hunter2" not in str(caught.value)  # names the type, not the value
-    assert broker.sent == []
-    assert await redis_client.keys(f"{prefix}:*") == []
+    await nothing_went_out()
 
 
 #: A name as ``os.listdir`` gives it for a file whose name is not UTF-8.

@@ -17,7 +17,7 @@ import redis.exceptions
 from taskiq_deduplication import DuplicateTaskError
 from tests._brokers import holds_no_lock
 from tests._server import Server
-from tests._tasks import echo_task, held_task, warmed_echo
+from tests._tasks import echo_task, held_run, held_task, warmed_echo
 from tests.faults._harness import (
     GRACE_TTL_MS,
     LOCK_KEY_LABEL,
@@ -126,11 +126,8 @@ async def test_a_cut_after_the_send_is_swallowed_and_the_heartbeat_recovers(
         heartbeat_interval=0.3,
         default_exclusive=False,
     )
-    work, gate = held_task(broker)
-    started, finish = gate.started, gate.finish
-
-    handle = await work.kiq(x=1)  # the extension to the full TTL fails: not raised
-    await asyncio.wait_for(started.wait(), 5)
+    # The extension to the full TTL fails: not raised.
+    _, gate, handle = await held_run(broker)
     await asyncio.sleep(0.8)  # re-assert and refreshes fail meanwhile
     assert logs.warnings("Could not extend lock")
     assert logs.warnings("Could not re-assert lock")
@@ -144,7 +141,7 @@ async def test_a_cut_after_the_send_is_swallowed_and_the_heartbeat_recovers(
         await wait_until(lambda: _async(client.pttl(key) > GRACE_TTL_MS), timeout=5)
         recovery("cut after send: restored -> heartbeat refreshes", time.monotonic() - restored_at)
 
-        finish.set()
+        gate.finish.set()
         assert (await handle.wait_result(timeout=5)).return_value == 1
         await broker.wait_all()
         assert lock_keys(client, prefix) == []  # the release went through
@@ -159,13 +156,9 @@ async def test_a_cut_over_the_release_lets_the_lock_expire_on_its_ttl(
     recovery: Recovery,
 ) -> None:
     broker = await make_recording_broker(proxy.url(FAST), default_ttl=2)
-    work, gate = held_task(broker)
-    started, finish = gate.started, gate.finish
-
-    handle = await work.kiq(x=1)
-    await asyncio.wait_for(started.wait(), 5)
+    work, gate, handle = await held_run(broker)
     await proxy.cut()
-    finish.set()
+    gate.finish.set()
     result = await handle.wait_result(timeout=5)
     assert result.return_value == 1
     await broker.wait_all()
