@@ -408,8 +408,11 @@ async def _web(args: argparse.Namespace) -> int:
     )
     prefix = where.prefix or DEFAULT_PREFIX
     _say(f"serving the locks under {prefix} at http://{args.host}:{args.port}/ (Ctrl-C stops)")
-    await uvicorn.Server(config).serve()
-    return ExitCode.OK
+    server = uvicorn.Server(config)
+    await server.serve()
+    # Stopped by Ctrl-C (or SIGTERM): say so whether or not the signal, which
+    # uvicorn passes on once it has shut down, reaches asyncio.run before we return.
+    return ExitCode.INTERRUPTED if server.should_exit else ExitCode.OK
 
 
 # What the commands share
