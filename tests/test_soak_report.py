@@ -307,6 +307,25 @@ def test_a_restart_during_the_run_explains_a_copy_only_where_another_run_took_th
     }
 
 
+def test_a_restart_as_the_run_ended_explains_a_copy_at_once() -> None:
+    # Seen in a 10-minute soak: Redis restarted as the run ended, so its end
+    # wrote no success, and the emptied run slot let a copy run 0.6 s later.
+    fp = "redis-stream:remembered:1"
+    runs = [
+        run("a", fp, 100.5, 104.0, broker="redis-stream"),
+        run("a", fp, 104.6, 105.0, broker="redis-stream", pid=101),
+    ]
+    restart = fault("redis-restart", "locks", 103.9, 104.05)
+    assert verdict([kiq("a", fp, 100.0, broker="redis-stream")], runs, [restart])["ran_again"] == {
+        report.LOST_IN_RESTART: 1
+    }
+    # One that was over more than a call's timeout before the end explains nothing.
+    before = fault("redis-restart", "locks", 101.0, 101.1)
+    assert verdict([kiq("a", fp, 100.0, broker="redis-stream")], runs, [before])["ran_again"] == {
+        report.REMEMBERED_RAN_AGAIN: 1
+    }
+
+
 def test_an_outage_over_before_the_copy_began_does_not_excuse_a_remembered_success() -> None:
     # Redis was up as the copy claimed: it had to find the success.
     fp = "nats:remembered:1"

@@ -347,12 +347,17 @@ def interval(led: Ledger, fp: str) -> float:
 def lost_in_restart(led: Ledger, task_id: str, ok: dict[str, Any], later: dict[str, Any]) -> bool:
     """Whether a Redis restart explains a copy of ``task_id`` run after its success ``ok``.
 
-    A restart after the success emptied what remembered it. One before it
+    A restart after the success emptied what remembered it; one as it ended
+    kept it from being written, and emptied the run slot too. One before it
     explains the copy only where another run of the key began after the
     restart (another send let in by the emptied lock, or a copy that took it
     back): that run held the lock when ``ok`` ended, so ``ok``'s success could
     not be written, or that run's success replaced it.
     """
+    if led.faults_in({"redis-restart"}, ok["ended"] - led.timeout - 0.5, ok["ended"] + 0.5):
+        # A restart as the run ended: its end could not write the success, and
+        # the restart took the run slot that would have held a copy off for a lease.
+        return True
     first = led.kiq_of.get(task_id)
     since = (first["started"] if first else ok["started"]) - led.ttl
     for restart in led.faults_in({"redis-restart"}, since, later["started"]):
