@@ -12,7 +12,7 @@ which the page works without.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from html import escape
 from typing import TYPE_CHECKING, NamedTuple
 from urllib.parse import quote, unquote, urlencode
@@ -286,7 +286,7 @@ def confirm_page(view: View, locks: Sequence[LockInfo], gone: int) -> str:
     body = f"""{note}<p>Release {count} lock{"" if count == 1 else "s"}? A task that holds one
 goes on running, and a new identical <code>kiq()</code> may be sent at once.
 A lock that another send took since this page was read is left to it.</p>
-{_table(_without_releases(view), ours)}
+{_table(replace(view, releases=False), ours)}
 <form method="post" action="{_q(view, "/release")}">
 <input type="hidden" name="csrf" value="{_e(view.token)}">{fields}
 <button type="submit" class="danger">Release {count} lock{"" if count == 1 else "s"}</button>
@@ -308,10 +308,6 @@ def released_page(view: View, outcome: Iterable[tuple[str, bool]]) -> str:
         "Released",
         f'<ul class="released">{items}</ul><p><a href="{_q(view, "/")}">Back to the locks</a></p>',
     )
-
-
-def _without_releases(view: View) -> View:
-    return View(view.base, view.token, view.prefix, releases=False)
 
 
 # Keys

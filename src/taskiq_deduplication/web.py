@@ -272,18 +272,16 @@ class _Site:
         async def answer() -> object:
             # Only JSON: a browser asks before sending JSON to another site's
             # app, and this one never says yes.
-            if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+            if _content_type(request) != "application/json":
                 raise _RefusedError(415, "send the call as application/json")
             _check_same_site(request)
             body = _json((await _body(request)).decode("utf-8", "replace"), "body", dict)
             name = body.get("task_name")
             if not isinstance(name, str):
                 raise _RefusedError(400, "task_name: a task's name is needed")
-            call = {
-                field: body.get(field, kind())
-                for field, kind in (("args", list), ("kwargs", dict), ("labels", dict))
-            }
+            call: dict[str, Any] = {}
             for field, kind in (("args", list), ("kwargs", dict), ("labels", dict)):
+                call[field] = body.get(field, kind())
                 if not isinstance(call[field], kind):
                     raise _RefusedError(400, f"{field}: expected a JSON {_kind_name(kind)}")
             key, lock = await self._key_of(name, call)
@@ -426,8 +424,7 @@ async def _body(request: Request) -> bytes:
 async def _checked_form(request: Request) -> dict[str, list[str]]:
     """The form of a POST from this app's own page, else a refusal."""
     _check_same_site(request)
-    content_type = request.headers.get("content-type", "").split(";")[0].strip()
-    if content_type != "application/x-www-form-urlencoded":
+    if _content_type(request) != "application/x-www-form-urlencoded":
         raise _RefusedError(415, "Send the form as the page does.")
     form: dict[str, list[str]] = {}
     for name, value in parse_qsl(
@@ -439,6 +436,10 @@ async def _checked_form(request: Request) -> dict[str, list[str]]:
     if not cookie or not hmac.compare_digest(cookie.encode(), field.encode()):
         raise _RefusedError(403, "Refused: the form did not come from this page (reload it).")
     return form
+
+
+def _content_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";")[0].strip()
 
 
 def _check_same_site(request: Request) -> None:
