@@ -40,7 +40,10 @@ if TYPE_CHECKING:
     from taskiq_deduplication.testing import Deduplication
 
 webdriver = pytest.importorskip("selenium.webdriver")
-from selenium.common.exceptions import WebDriverException  # noqa: E402 (after the skip)
+from selenium.common.exceptions import (  # noqa: E402 (after the skip)
+    StaleElementReferenceException,
+    WebDriverException,
+)
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
@@ -149,7 +152,10 @@ def rows(browser: Any) -> list[str]:
 
 
 def until(browser: Any, condition: Callable[[Any], object], timeout: float = 10) -> Any:
-    return WebDriverWait(browser, timeout).until(condition)
+    """Wait for ``condition``, reading again where a form's reply replaced the page mid-read."""
+    return WebDriverWait(
+        browser, timeout, ignored_exceptions=(StaleElementReferenceException,)
+    ).until(condition)
 
 
 def test_the_list_shows_the_locks_kiq_took_and_counts_their_time_down(
