@@ -15,12 +15,15 @@ from taskiq import (
     Context,
     SmartRetryMiddleware,
     TaskiqDepends,
+    TaskiqMessage,
     TaskiqMiddleware,
+    TaskiqResult,
     TaskiqScheduler,
 )
 
 from taskiq_deduplication import DeduplicationError, DuplicateTaskError
 from tests._brokers import HoldingBroker, KeptSchedules
+from tests.benchmarks.harness import Traffic
 from tests.conftest import (
     BrokerFactory,
     MiddlewareFactory,
@@ -158,6 +161,53 @@ async def test_round_trips_of_each_policy(
     assert await scripts_for(1, fail=False) == scripts
     assert await scripts_for(2, fail=True) == scripts  # a failure costs what a success does
     assert running_beats(dedup_middleware(broker)) == []
+
+
+class _RoundTripsAtTheEnd(TaskiqMiddleware):
+    """Put first: the round trips made by the time the deduplication middleware ended a run."""
+
+    def __init__(self, traffic: Traffic) -> None:
+        super().__init__()
+        self.traffic = traffic
+        self.at_end: int | None = None
+
+    def post_execute(self, message: TaskiqMessage, result: TaskiqResult[Any]) -> None:
+        self.at_end = self.traffic.round_trips
+
+
+@pytest.mark.parametrize("policy", ["started", "expired"])
+async def test_an_exclusive_run_beside_its_lock_waits_for_no_round_trip_more(
+    make_broker: BrokerFactory,
+    make_middleware: MiddlewareFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+    policy: str,
+) -> None:
+    """The run slot's end goes without a round trip of its own, and still frees the slot."""
+    round_trips: dict[bool, int | None] = {}
+    for n, exclusive in enumerate((False, True)):
+        traffic = Traffic()
+        end = _RoundTripsAtTheEnd(traffic)
+        # taskiq calls post_execute in the reverse order: this one after ours.
+        broker = await make_broker(middlewares=[end, make_middleware()])
+
+        @broker.task(task_name=None, deduplication_exclusive=exclusive, **POLICIES[policy])
+        async def job(n: int) -> None: ...
+
+        traffic.install()
+        try:
+            await (await job.kiq(n=n)).wait_result(timeout=5)
+            await broker.wait_all()
+        finally:
+            traffic.uninstall()
+        round_trips[exclusive] = end.at_end
+        await dedup_middleware(broker).shutdown()  # sends what is queued
+    # The kiq's round trip, and the start's: under "started" the claim takes
+    # the place of the release; under "expired", where nothing ran at the
+    # start, the claim that takes the slot is the one round trip a run must
+    # wait for. Neither waits at the end.
+    assert round_trips == ({False: 2, True: 2} if policy == "started" else {False: 1, True: 2})
+    assert [key async for key in redis_client.scan_iter(match=f"{prefix}#run:*")] == []
 
 
 async def test_started_releases_at_start_with_no_heartbeat_when_runs_may_overlap(

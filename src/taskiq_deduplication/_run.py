@@ -352,31 +352,42 @@ class Runs:
         assert run is not None  # noqa: S101 (the callers check)
         locks = execution.state.locks
         linger = _linger(execution)
+        # Only a success remembered (success TTL) keeps the lock; a failure
+        # and a success without one release it (a "finished" lock is its slot).
+        remembered = execution.success_ttl * 1000 if succeeded else 0
+        waited = int(2 * self._poll(execution, run) * 1000) + _WAITED_MARGIN_MS
+        how = "succeeded" if succeeded else "failed"
+        if run.key != execution.lock.key:
+            # A slot beside the lock: what the run's result means for later
+            # calls is the lock's, so its end goes without a round trip of its
+            # own. A copy waiting for the slot looks again until it is freed.
+            await locks.finish_detached(
+                run,
+                how,
+                remembered,
+                waited_ms=waited,
+                what=f"free the run slot {run.key!r} of task {message.task_name} "
+                f"({message.task_id}), which expires in {run.ttl_ms // 1000}s",
+            )
+            return
         try:
-            if passed_on and run.key == execution.lock.key:
+            if passed_on:
                 # The requeued message finds its own lock, for its full TTL.
                 await locks.hand_over(run, execution.lock, linger=linger)
             else:
-                # Only a success remembered (success TTL) keeps the lock; a failure
-                # and a success without one release it (a "finished" lock is its slot).
-                remembered = execution.success_ttl * 1000 if succeeded else 0
-                waited = int(2 * self._poll(execution, run) * 1000) + _WAITED_MARGIN_MS
-                how = "succeeded" if succeeded else "failed"
                 ended = await locks.finish(run, how, remembered, waited_ms=waited, linger=linger)
-                if ended and not remembered and run.key == execution.lock.key:
+                if ended and not remembered:
                     self._events.emit(
                         LockEventKind.RELEASED, message.task_name, message.task_id, run.key, None
                     )
         except REDIS_ERRORS as exc:
-            if run.key != execution.lock.key:
-                what = "free the run slot"
-            elif passed_on:
+            if passed_on:
                 what = "hand on"
             else:
                 what = "keep" if succeeded and execution.success_ttl else "release"
             logger.warning(
-                "Could not %s %r of task %s (%s): %s: %s; it expires in %ds",
-                what if run.key != execution.lock.key else what + " lock",
+                "Could not %s lock %r of task %s (%s): %s: %s; it expires in %ds",
+                what,
                 run.key,
                 message.task_name,
                 message.task_id,

@@ -310,6 +310,19 @@ class LockStore:
         args: list[str | int] = [run.token, how, ms, waited_ms, run.task_id]
         return bool(await self._pipeline.call(self._finish, [run.key], args, linger=linger))
 
+    async def finish_detached(
+        self, run: Lock, how: str, ms: int = 0, *, waited_ms: int = 0, what: str
+    ) -> None:
+        """`finish`, without waiting for the reply; a failure is logged as ``what``.
+
+        For a run slot beside its lock, whose end nobody waits for: the run's
+        result does not depend on it, and the pipeline keeps its order, so a
+        later call of this process (a next run's claim) comes after it. It is
+        on its way when this returns (when the pipeline is idle).
+        """
+        args: list[str | int] = [run.token, how, ms, waited_ms, run.task_id]
+        await self._pipeline.send_ahead(self._finish, [run.key], args, what)
+
     async def hand_over(self, run: Lock, to: Lock, *, linger: float = 0.0) -> bool:
         """Hand the run slot ``run`` to the send ``to`` (a requeued message, a retry).
 
