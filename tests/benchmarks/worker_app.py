@@ -105,7 +105,12 @@ def build(
             )
         )
     middlewares.append(Finished(url, key, traffic=traffic))
-    broker = ListQueueBroker(url, queue_name=queue).with_middlewares(*middlewares)
+    # No socket timeout: with redis-py 8's default (5 s) a worker's BRPOP on an
+    # empty queue times out and the worker process dies, taking the tasks it
+    # prefetched with it (taskiq-redis issue 127); the drain then never ends.
+    broker = ListQueueBroker(url, queue_name=queue, socket_timeout=None).with_middlewares(
+        *middlewares
+    )
 
     @broker.task(task_name="bench_sleep")
     async def sleep(n: int, seconds: float) -> int:
