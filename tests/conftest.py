@@ -33,6 +33,7 @@ from taskiq_deduplication import RedisDeduplicationMiddleware
 from taskiq_deduplication._heartbeat import Beat
 from taskiq_deduplication._redis_wire import WIRE_ENV, _lean_fits, _misfit
 from taskiq_deduplication.testing import Deduplication
+from tests import _xdist
 from tests._brokers import HoldingBroker, retry_middleware
 from tests._server import Server
 from tests.topologies._servers import Cluster, Sentinels
@@ -55,18 +56,37 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return 2 * len(os.sched_getaffinity(0))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """With ``-n``: where the workers tell the controller the groups (``tests/_xdist.py``)."""
+    _xdist.configure(config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove what ``pytest_configure`` made."""
+    _xdist.unconfigure(config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """Tell each pytest-xdist worker where to write the groups."""
+    _xdist.configure_node(node)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a pytest-xdist worker: the tests marked ``slow`` first, and the groups written."""
+    _xdist.reorder_and_record(config, items)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Keep each ``xdist_group`` in one worker, and spread every other test (``-n`` alone).
 
-    The default distribution (``load``) ignores the groups; ``--dist`` given as
-    anything else is left as it is.
+    The default distribution (``load``) ignores the groups, and ``loadgroup``
+    no longer finds them with pytest 9.2 (``tests/_xdist.py``); ``--dist``
+    given as anything else is left as it is.
     """
-    if config.getoption("dist") != "load":
-        return None
-    from xdist.scheduler import LoadGroupScheduling  # noqa: PLC0415 (only with pytest-xdist)
-
-    return LoadGroupScheduling(config, log)
+    return _xdist.make_scheduler(config, log)
 
 
 #: The name of the user property under which a fault test reports a recovery time

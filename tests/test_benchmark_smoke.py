@@ -25,6 +25,7 @@ SECTIONS = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_quick_benchmark_writes_every_section(redis_url: str, tmp_path: Path) -> None:
     output = tmp_path / "bench.json"

@@ -657,6 +657,7 @@ async def test_redis_down_merge_and_fence_tasks_fail_or_fail_open(
         await broker.shutdown()
 
 
+@pytest.mark.slow
 async def test_a_run_whose_claim_fails_runs_with_the_arguments_it_was_sent_with(
     server: Server, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -36,6 +36,7 @@ async def started(server: Server, **options: Any) -> HoldingBroker:
     return broker
 
 
+@pytest.mark.slow
 async def test_errors_after_queueing_are_logged_and_swallowed(
     server: Server, caplog: pytest.LogCaptureFixture
 ) -> None:

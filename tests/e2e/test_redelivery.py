@@ -153,6 +153,7 @@ async def queue_is_empty(app: App) -> bool:
 # A copy of a run that is still going
 
 
+@pytest.mark.slow
 async def test_copy_of_a_running_task_waits_for_it_and_is_skipped_after_its_success(
     launch: Launch, broker: str
 ) -> None:
@@ -183,6 +184,7 @@ async def test_copy_of_a_running_task_waits_for_it_and_is_skipped_after_its_succ
     await app.wait_no_locks("the success kept for the copies that waited to expire")
 
 
+@pytest.mark.slow
 async def test_exclusive_false_lets_a_copy_run_beside_the_first_as_before(
     launch: Launch, broker: str
 ) -> None:
@@ -268,6 +270,7 @@ async def test_copy_of_a_remembered_success_does_not_run_again_after_a_worker_di
 # Retries: a failed attempt's retry carries the call on
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("retry", RETRY_SETUPS)
 @pytest.mark.parametrize("broker", REDELIVERING)
 async def test_copy_of_a_failed_attempt_never_overlaps_its_retry(

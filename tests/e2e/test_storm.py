@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from taskiq import AsyncTaskiqTask
 
 from tests.e2e.client import STORM_TAG
@@ -48,6 +49,7 @@ async def _storm(
     return app, [json.loads(report) for report in reports]
 
 
+@pytest.mark.slow
 async def test_storm_of_identical_sends_accepts_one_and_runs_it_once(
     launch: Launch, broker_kind: str
 ) -> None:
@@ -67,6 +69,7 @@ async def test_storm_of_identical_sends_accepts_one_and_runs_it_once(
     assert await app.locks() == {}
 
 
+@pytest.mark.slow
 async def test_storm_of_distinct_sends_accepts_all_and_runs_each_once(
     launch: Launch, broker_kind: str
 ) -> None:

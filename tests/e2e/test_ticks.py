@@ -73,6 +73,7 @@ async def wait_runs(app: App, runs: int) -> None:
     await app.wait_until(enough, f"{runs} run(s) of the scheduled task")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("kind", ["dedup", "wrapped"])
 async def test_two_schedulers_send_each_interval_tick_once(launch: Launch, kind: str) -> None:
@@ -109,6 +110,7 @@ def replica_of(process: Process) -> str:
     return own.pop() if own else f"?/{process.pid}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 async def test_two_schedulers_and_a_restart_send_each_cron_minute_once(launch: Launch) -> None:
     app = await launch(broker="redis-list", ticks="cron")

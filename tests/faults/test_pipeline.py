@@ -115,6 +115,7 @@ async def test_every_kiq_against_a_hung_redis_ends_within_its_timeout(
     await broker.shutdown()
 
 
+@pytest.mark.slow
 async def test_a_stream_of_kiqs_during_an_outage_keeps_latency_and_backlog_bounded(
     server: Server, prefix: str
 ) -> None:
