@@ -351,7 +351,6 @@ class Runs:
         run = execution.run
         assert run is not None  # noqa: S101 (the callers check)
         locks = execution.state.locks
-        linger = _linger(execution)
         # Only a success remembered (success TTL) keeps the lock; a failure
         # and a success without one release it (a "finished" lock is its slot).
         remembered = execution.success_ttl * 1000 if succeeded else 0
@@ -370,6 +369,7 @@ class Runs:
                 f"({message.task_id}), which expires in {run.ttl_ms // 1000}s",
             )
             return
+        linger = _linger(execution)
         try:
             if passed_on:
                 # The requeued message finds its own lock, for its full TTL.

@@ -307,7 +307,7 @@ class LockStore:
             waited_ms: See ``how``.
             linger: Seconds the call may wait to share a round trip.
         """
-        args: list[str | int] = [run.token, how, ms, waited_ms, run.task_id]
+        args = _finish_args(run, how, ms, waited_ms)
         return bool(await self._pipeline.call(self._finish, [run.key], args, linger=linger))
 
     async def finish_detached(
@@ -320,7 +320,7 @@ class LockStore:
         later call of this process (a next run's claim) comes after it. It is
         on its way when this returns (when the pipeline is idle).
         """
-        args: list[str | int] = [run.token, how, ms, waited_ms, run.task_id]
+        args = _finish_args(run, how, ms, waited_ms)
         await self._pipeline.send_ahead(self._finish, [run.key], args, what)
 
     async def hand_over(self, run: Lock, to: Lock, *, linger: float = 0.0) -> bool:
@@ -444,6 +444,11 @@ class LockStore:
     async def close(self) -> None:
         """Send what is queued and give the connection back; the client stays open."""
         await self._pipeline.close()
+
+
+def _finish_args(run: Lock, how: str, ms: int, waited_ms: int) -> list[str | int]:
+    """The arguments of ``finish.lua`` that end the run holding ``run`` (see `LockStore.finish`)."""
+    return [run.token, how, ms, waited_ms, run.task_id]
 
 
 def _keys_of(lock: Lock, merge_key: str | None, fence_key: str | None) -> list[str]:
