@@ -78,6 +78,36 @@ async def test_a_lingering_call_waits_for_the_next_batch_and_keeps_its_place(
     assert await redis_client.exists(third.key) == 0
 
 
+async def test_a_batch_that_takes_every_lingering_call_ends_their_timer(
+    store: tuple[LockStore, list[float]], redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    # A timer left behind would wake the event loop for nothing, and send the
+    # next lingering call out early, before others could join it.
+    locks, trips = store
+
+    def waiting_on_a_timer() -> bool:
+        return locks._pipeline._flush is not None
+
+    first, second, third = [await _taken(locks, prefix, name) for name in "abc"]
+    await locks.release(first, linger=LONG)
+    lingering = asyncio.ensure_future(locks.release(second, linger=LONG))
+    await asyncio.sleep(0)
+    assert waiting_on_a_timer()  # it waits for company, until its timer
+    other = Lock(second.key, "token-other", "task-other", 30_000)
+    assert (await asyncio.wait_for(locks.acquire(other, 30_000), AT_ONCE)).holder is None
+    assert await lingering
+    assert not waiting_on_a_timer()  # nothing waits for company any more
+    before = len(trips)
+    later = asyncio.ensure_future(locks.release(third, linger=LONG))
+    await asyncio.sleep(0.2)
+    assert not later.done()  # it waits on a timer of its own
+    assert waiting_on_a_timer()
+    assert len(trips) == before
+    assert await asyncio.wait_for(locks.held(other), AT_ONCE)  # takes it along
+    assert await later
+    assert await lock_keys(redis_client, prefix) == [other.key]
+
+
 async def test_a_lingering_call_without_company_goes_once_its_linger_is_up(
     store: tuple[LockStore, list[float]], redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:

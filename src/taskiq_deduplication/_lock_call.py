@@ -50,7 +50,7 @@ class Call:
 
 def encode(
     encoding: tuple[str, str], keys: Sequence[str], args: Sequence[str | int]
-) -> tuple[tuple[bytes, ...], tuple[bytes | int, ...]]:
+) -> tuple[list[bytes], list[bytes | int]]:
     """A call's keys and arguments as the connection sends them, encoded now.
 
     Encoded when the call is made, not when its batch is packed: a key that
@@ -63,9 +63,10 @@ def encode(
     """
     name, errors = encoding
     try:
+        # List comprehensions: a lock call is made at each end of every run.
         return (
-            tuple(key.encode(name, errors) for key in keys),
-            tuple(a.encode(name, errors) if isinstance(a, str) else a for a in args),
+            [key.encode(name, errors) for key in keys],
+            [a.encode(name, errors) if isinstance(a, str) else a for a in args],
         )
     except UnicodeEncodeError as exc:
         # The text itself is not logged: an argument may be a task's arguments.

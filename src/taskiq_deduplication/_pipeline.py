@@ -299,7 +299,7 @@ class Pipeline:
 
     def _encode_detached(
         self, keys: Sequence[str], args: Sequence[str | int], what: str
-    ) -> tuple[tuple[bytes, ...], tuple[bytes | int, ...]] | None:
+    ) -> tuple[list[bytes], list[bytes | int]] | None:
         """`encode` for a call nobody waits for: a failure is logged as ``what``."""
         try:
             return encode(self._encoding, keys, args)
@@ -372,6 +372,9 @@ class Pipeline:
                 self._drop_expired(call)
             else:
                 batch.append(call)
+        if not queue and self._flush is not None:  # no call waits for company any more
+            self._flush.cancel()
+            self._flush = None
         return batch
 
     def _resend(self, lost: list[Call]) -> None:
