@@ -29,6 +29,7 @@ FOREIGN_PRIVATE: Final = {
     ("_redis_wire", "_parser"),
     ("_redis_wire", "_host_error"),
     ("_redis_wire", "_writer"),
+    ("_redis_wire", "_reader"),
 }
 
 

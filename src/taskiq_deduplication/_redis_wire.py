@@ -8,9 +8,12 @@ Two ways through a plain connection:
 
 - **lean** (the default): the pipeline packs a batch itself, hands it to the
   connection's socket writer (``_writer``) without a turn of the event loop,
-  and reads every reply from the connection's parser (``_parser``) under one
-  timeout, as ``read_response`` would one by one. This relies on redis-py's
-  private attributes, which redis-py may change in any release.
+  and reads the replies from the connection's stream (``_reader``) under one
+  timeout, parsing every reply that has arrived at once (``_resp.py``), where
+  ``read_response`` would await each line of each reply. Error replies become
+  the exceptions the connection's parser (``_parser``) makes of them. This
+  relies on redis-py's private attributes, which redis-py may change in any
+  release.
 - **public**: redis-py's public API only, ``pack_commands``,
   ``send_packed_command`` and ``read_response`` for each reply. The same
   commands and round trips, with a little more work per call.
@@ -41,6 +44,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from taskiq_deduplication._resp import Decoder, ErrorParser, parse_replies
+
 try:  # the timeout redis-py reads under, on every Python
     from redis.asyncio.connection import async_timeout  # type: ignore[attr-defined]
 except ImportError:  # a redis-py that reads otherwise: the probe picks the public way
@@ -59,6 +64,11 @@ logger = logging.getLogger("taskiq_deduplication.pipeline")
 WIRE_ENV: Final = "TASKIQ_DEDUP_REDIS_WIRE"
 
 Command = tuple[Any, ...]
+
+#: The most bytes taken from the stream in one read (a batch's replies are short).
+_READ_SIZE: Final = 65536
+#: What redis-py says when the server closed the connection.
+_CLOSED: Final = "Connection closed by server."
 
 
 def open_transport(
@@ -136,6 +146,7 @@ class _Connection:
         self._unread = 0  # replies written for and not read yet
         self._closed = False  # give the connection back when the operation ends
         self._lean = False  # the held connection goes the lean way
+        self._rest = b""  # bytes read past the last reply parsed (a reply's start)
 
     @property
     def ready(self) -> bool:
@@ -192,29 +203,58 @@ class _Connection:
             await connection.send_packed_command(connection.pack_commands(commands), False)  # noqa: FBT003 (redis-py's check_health)
 
     async def _read_lean(self, connection: AbstractConnection, replies: list[Any]) -> None:
-        """Read every unread reply under one timeout, straight from redis-py's parser.
+        """Read every unread reply under one timeout, from the connection's stream.
 
         What ``read_response`` does for each reply, done once for them all:
         the socket timeout (a batch's replies come together, and a call's own
         deadline is the pipeline's to keep), the errors it raises, the health
-        check's clock. An error reply comes back as the exception it is.
+        check's clock. The bytes are parsed as they arrive (`_resp.py`), every
+        reply they hold at once; an error reply comes back as the exception it
+        is, as redis-py's parser makes it.
         """
-        parser: Any = connection._parser  # noqa: SLF001 (redis-py's, since 4.2)
+        stream = connection._reader  # noqa: SLF001 (redis-py's, since 4.2)
+        if stream is None:  # disconnected under the batch
+            raise RedisConnectionError(_CLOSED)
+        parse_error = connection._parser.parse_error  # noqa: SLF001
+        encoder = connection.encoder
+        decode = encoder.decode if encoder.decode_responses else None
         timeout = connection.socket_timeout
+        data = self._rest
         try:
             async with async_timeout(timeout) if timeout else contextlib.nullcontext():
-                while self._unread:
-                    replies.append(await parser.read_response())
-                    self._unread -= 1
+                while True:
+                    data = self._take_replies(data, replies, decode, parse_error)
+                    if not self._unread:
+                        break
+                    chunk = await stream.read(_READ_SIZE)
+                    if not chunk:
+                        raise RedisConnectionError(_CLOSED)
+                    data += chunk
         except asyncio.TimeoutError:
             msg = f"Timeout reading from {connection._host_error()}"  # noqa: SLF001
             raise RedisTimeoutError(msg) from None
         except OSError as exc:
             msg = f"Error while reading from {connection._host_error()} : {exc.args}"  # noqa: SLF001
             raise RedisConnectionError(msg) from exc
+        finally:
+            self._rest = data
         if connection.health_check_interval:
             loop = asyncio.get_running_loop()
             connection.next_health_check = loop.time() + connection.health_check_interval
+
+    def _take_replies(
+        self, data: bytes, replies: list[Any], decode: Decoder | None, parse_error: ErrorParser
+    ) -> bytes:
+        """Move the complete replies at the start of ``data`` to ``replies``; return the rest."""
+        if not data:
+            return data
+        found, used = parse_replies(data, self._unread, decode, parse_error)
+        self._unread -= len(found)
+        for reply in found:
+            if isinstance(reply, RedisConnectionError):
+                raise reply  # as redis-py raises it: the connection is done
+            replies.append(reply)
+        return data[used:]
 
     async def _begin_operation(self) -> AbstractConnection:
         self._in_use = True
@@ -246,8 +286,8 @@ class _Connection:
         connection, self._held = self._held, None
         if connection is None:
             return
-        if disconnect or self._unread:
-            self._unread = 0
+        if disconnect or self._unread or self._rest:
+            self._unread, self._rest = 0, b""
             await connection.disconnect(nowait=True)
         await self._pool.release(connection)
 
@@ -293,9 +333,10 @@ def _misfit(connection: AbstractConnection) -> str:
 
     What the lean way touches (``_pack``, ``_write_at_once``, ``_read_lean``),
     in the shapes it uses: a parser whose ``read_response`` is a coroutine
-    taking no argument, ``_host_error()``, a ``_writer`` attribute (``None``
-    until connected), the numbers of the read timeout and the health check,
-    the encoder's encoding, and redis-py's ``async_timeout``.
+    taking no argument (the ``PING`` of a new connection) and which has
+    ``parse_error()``, ``_host_error()``, the ``_writer`` and ``_reader``
+    attributes (``None`` until connected), the numbers of the read timeout and
+    the health check, the encoder's encoding, and redis-py's ``async_timeout``.
     """
     read = getattr(getattr(connection, "_parser", None), "read_response", None)
     host_error = getattr(connection, "_host_error", None)
@@ -308,6 +349,11 @@ def _misfit(connection: AbstractConnection) -> str:
         ),
         (callable(host_error) and _takes_no_argument(host_error), "it has no _host_error()"),
         (hasattr(connection, "_writer"), "it has no _writer"),
+        (hasattr(connection, "_reader"), "it has no _reader"),
+        (
+            callable(getattr(getattr(connection, "_parser", None), "parse_error", None)),
+            "its _parser has no parse_error()",
+        ),
         (_is_number(connection, "socket_timeout", or_none=True), "no socket_timeout number"),
         (_is_number(connection, "health_check_interval"), "no health_check_interval number"),
         (_is_number(connection, "next_health_check"), "no next_health_check number"),
