@@ -98,6 +98,9 @@ class Claimed:
     """The latest merged arguments, serialised, if there were any to claim."""
 
 
+#: What most claims find: the run begins, its lock this send's; nothing else.
+_BEGUN: Final = Claimed()
+
 # The first element of claim.lua's reply besides an outcome or a debounce's wait.
 _WAIT_FOR_RUN: Final = 3
 _SKIP: Final = 4
@@ -278,6 +281,8 @@ class LockStore:
             run.ttl_ms if run is not None else 0,
         ]
         reply = await self._pipeline.call(self._claim, keys, args, linger=linger)
+        if reply == 1:  # the run begins, its lock refreshed (most runs): {1, 0, ""}
+            return _BEGUN
         if reply[0] == 0:
             return Claimed(wait_ms=max(int(reply[1]), 1))
         if reply[0] == _WAIT_FOR_RUN:
