@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import multiprocessing
+import os
 import pickle
+import re
 from typing import Any
 
 import pytest
@@ -14,6 +17,7 @@ from taskiq import AsyncTaskiqTask, BrokerMessage, SendTaskError
 
 from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
 from taskiq_deduplication import _pending as pending_module
+from taskiq_deduplication._formats import new_token
 from tests._brokers import HoldingBroker, RefusingBroker, holds_no_lock
 from tests.conftest import (
     BrokerFactory,
@@ -63,6 +67,27 @@ async def test_lock_value_names_the_holder_and_an_owner_token(
     assert policy == "f"
     assert key == f"{prefix}:" + key.rsplit(":", 1)[1]
     assert len(key.rsplit(":", 1)[1]) == 43  # the full SHA-256 digest, base64url
+
+
+def _tokens_of_a_forked_child(count: int, pipe: Any) -> None:
+    pipe.send([new_token() for _ in range(count)])
+    pipe.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="only where processes fork")
+def test_a_forked_worker_process_makes_tokens_of_its_own() -> None:
+    # taskiq forks its worker processes: tokens drawn from a generator that each
+    # child inherited as it was would repeat from one process to the next.
+    context = multiprocessing.get_context("fork")
+    theirs, ours = context.Pipe(duplex=False)
+    child = context.Process(target=_tokens_of_a_forked_child, args=(200, ours))
+    child.start()
+    child_tokens = theirs.recv()
+    child.join(30)
+    parent_tokens = [new_token() for _ in range(200)]
+    assert not set(child_tokens) & set(parent_tokens)
+    assert len(set(child_tokens)) == len(set(parent_tokens)) == 200
+    assert all(re.fullmatch(r"[A-Za-z0-9_-]{11}", token) for token in child_tokens)
 
 
 async def test_duplicate_is_logged_as_a_warning_without_arguments(

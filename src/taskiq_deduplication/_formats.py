@@ -54,8 +54,10 @@ these formats through this module.
 
 from __future__ import annotations
 
+import base64
+import os
+import random
 import re
-import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import unquote
@@ -204,6 +206,23 @@ def run_key(prefix: str, lock: str) -> str | None:
     return None if name is None else f"{prefix}{SIDE_SEPARATOR}run{KEY_SEPARATOR}{name}"
 
 
+# Owner and run tokens only have to differ from every other token of the same
+# lock: nothing about them is secret (whoever can read Redis reads them there).
+# A generator seeded from the OS once per process makes one without a system
+# call: on a virtual machine a getrandom() per send and per run cost more than
+# the rest of the token. A forked process (taskiq's worker processes) seeds its
+# own, or parent and children would make the same tokens.
+_tokens = random.Random()  # noqa: S311 (unique, not secret: see above)
+if hasattr(os, "register_at_fork"):  # not on Windows, which does not fork
+    os.register_at_fork(after_in_child=_tokens.seed)
+
+
+def _random_text(nbytes: int) -> str:
+    """``nbytes`` random bytes as URL-safe base64 without padding (as ``secrets.token_urlsafe``)."""
+    data = _tokens.getrandbits(nbytes * 8).to_bytes(nbytes, "little")
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
 def new_run_token(token: str) -> str:
     """Make the token of one run of the send ``token``: a run slot holds it while the run goes on.
 
@@ -214,9 +233,9 @@ def new_run_token(token: str) -> str:
     owner, separator, record = token.partition(RECORD_MARK)
     random, mark, digest = owner.partition(_DIGEST_MARK)
     if mark and random and digest:
-        run = RUN_MARK + secrets.token_urlsafe(6)[:5] + _DIGEST_MARK + digest
+        run = RUN_MARK + _random_text(6)[:5] + _DIGEST_MARK + digest
     else:
-        run = RUN_MARK + secrets.token_urlsafe(8)[:10]
+        run = RUN_MARK + _random_text(8)[:10]
     return run + separator + record
 
 
@@ -232,8 +251,8 @@ def new_token(digest: str | None = None) -> str:
     bits), and a refused call can tell whether its arguments were the holder's.
     """
     if digest is None:
-        return secrets.token_urlsafe(8)
-    return secrets.token_urlsafe(6)[:6] + _DIGEST_MARK + digest
+        return _random_text(8)
+    return _random_text(6)[:6] + _DIGEST_MARK + digest
 
 
 def arguments_digest(fingerprint: str) -> str:
