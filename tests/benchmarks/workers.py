@@ -3,12 +3,13 @@
 Two regimes, each with and without the middleware on the same Redis:
 
 - **drain**: ``taskiq worker --workers 2 --max-async-tasks 100`` empties a queue
-  of short tasks (1 ms of ``asyncio.sleep``). Both worker pairs (with and
-  without the middleware) run the whole time, each on a queue of its own; a
+  of short tasks (1 ms of ``asyncio.sleep``). Three worker pairs (without the
+  middleware, with it, and with `worker_app.Floor`, the least any lock
+  middleware can cost) run the whole time, each on a queue of its own; a
   round fills a staging list with the sender of one variant, then ``RENAME``s
   it onto that variant's queue at once (Redis wakes the blocked ``BRPOP``) and
   times until the workers have counted every task done. The variants take
-  turns, the order flipping every round.
+  turns, the order reversed every round.
 - **held**: one worker process runs many tasks at once that sleep through the
   whole window (TTL 3 s, so the heartbeat's interval is 1 s), heartbeat on and
   off; the worker counts its own round trips (see ``worker_app``), and its CPU
@@ -53,6 +54,7 @@ class _Workers:
     processes: int
     max_async: int
     dedup: bool
+    floor: bool = False
     ttl: int = 300
     traffic: bool = False
     heartbeat: bool = True
@@ -74,7 +76,8 @@ class _Workers:
             BENCH_REDIS_URL=self.url,
             BENCH_QUEUE=self.queue,
             BENCH_KEY=self.key,
-            BENCH_PREFIX=self.prefix if self.dedup else "",
+            BENCH_PREFIX=self.prefix if self.dedup or self.floor else "",
+            BENCH_FLOOR="1" if self.floor else "",
             BENCH_TTL=str(self.ttl),
             BENCH_TRAFFIC="1" if self.traffic else "",
             BENCH_HEARTBEAT="1" if self.heartbeat else "",
@@ -182,12 +185,14 @@ async def _fill(bench: Bench, workers: _Workers, tasks: int, seconds: float) -> 
 
 
 async def drain(bench: Bench) -> Results:
-    """Tasks/s of two worker processes draining a queue of 1 ms tasks, with and without."""
+    """Tasks/s of two worker processes draining a queue of 1 ms tasks: without, with, floor."""
     settings = bench.settings
     tasks = settings.worker_tasks
     variants = {
-        name: _Workers(bench.url, name[0].upper(), 2, 100, dedup=name == "dedup")
-        for name in ("none", "dedup")
+        name: _Workers(
+            bench.url, name[0].upper(), 2, 100, dedup=name == "dedup", floor=name == "floor"
+        )
+        for name in ("none", "dedup", "floor")
     }
     rates: dict[str, list[float]] = {name: [] for name in variants}
     cpu: dict[str, list[float]] = {name: [] for name in variants}
@@ -218,13 +223,15 @@ async def drain(bench: Bench) -> Results:
                 elapsed = time.perf_counter() - started
                 rates[name].append(tasks / elapsed)
                 cpu[name].append((workers.cpu() - cpu_before) / tasks * 1e6)
-                if workers.dedup:
+                if workers.dedup or workers.floor:
                     await asyncio.sleep(0.05)  # the last releases
                     locks_left.append(bench.probe.count(workers.prefix))
     finally:
         for workers in variants.values():
             workers.stop()
     ratios = [a / b for a, b in zip(rates["dedup"], rates["none"], strict=True)]
+    floor = [a / b for a, b in zip(rates["floor"], rates["none"], strict=True)]
+    of_floor = [a / b for a, b in zip(rates["dedup"], rates["floor"], strict=True)]
     return {
         "tasks": tasks,
         "processes": 2,
@@ -236,6 +243,12 @@ async def drain(bench: Bench) -> Results:
         "ratio_max": max(ratios),
         "worker_cpu_us_per_task_none": median(cpu["none"]),
         "worker_cpu_us_per_task_dedup": median(cpu["dedup"]),
+        "floor_per_s": median(rates["floor"]),
+        "floor_ratio": median(floor),
+        "floor_ratio_min": min(floor),
+        "floor_ratio_max": max(floor),
+        "dedup_of_floor": median(of_floor),
+        "worker_cpu_us_per_task_floor": median(cpu["floor"]),
         "fill_kiq_per_s_none": median(kiq_rates["none"]),
         "fill_kiq_per_s_dedup": median(kiq_rates["dedup"]),
         "locks_left": max(locks_left) if locks_left else 0,
