@@ -117,7 +117,16 @@ def test_no_more_replies_are_read_than_are_due() -> None:
     assert (replies, used) == ([1], 4)
 
 
-@pytest.mark.parametrize("reply", [b"%1\r\n+a\r\n:1\r\n", b">2\r\n+a\r\n+b\r\n", b"!3\r\nbad\r\n"])
+def test_a_push_between_replies_is_passed_over() -> None:
+    # A managed server's maintenance notice (RESP3), arriving between two replies.
+    push = b">3\r\n" + _bulk(b"MIGRATING") + b":17\r\n:30\r\n"
+    data = b":1\r\n" + push + b":0\r\n"
+    replies, used = parse_replies(data, 2, None, _AsyncRESP3Parser.parse_error)
+    assert (replies, used) == ([1, 0], len(data))
+    assert parse_replies(data[:-2], 2, None, _AsyncRESP3Parser.parse_error) == ([1], 4 + len(push))
+
+
+@pytest.mark.parametrize("reply", [b"%1\r\n+a\r\n:1\r\n", b"~2\r\n+a\r\n+b\r\n", b"!3\r\nbad\r\n"])
 def test_a_reply_no_lock_script_sends_is_a_protocol_error(reply: bytes) -> None:
     with pytest.raises(InvalidResponse, match="Protocol Error"):
         parse_replies(reply, 1, None, _AsyncRESP3Parser.parse_error)

@@ -4,9 +4,10 @@ A batch's replies usually arrive in one read. redis-py's pure-Python parser
 awaits the stream once per line (four times for a three-element array); this
 reader takes whatever bytes have arrived and parses every complete reply in
 them without yielding. It knows the reply types a Lua script's reply can take
-(RESP2 rules, whatever the connection's protocol) and the scalars of RESP3;
-anything else is a protocol error, which fails the batch and drops the
-connection, as a reply redis-py cannot parse does.
+(RESP2 rules, whatever the connection's protocol) and the scalars of RESP3,
+and passes over RESP3 pushes (out-of-band notices, such as a managed server's
+maintenance notifications); anything else is a protocol error, which fails the
+batch and drops the connection, as a reply redis-py cannot parse does.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ _NULL: Final = ord("_")
 _BOOLEAN: Final = ord("#")
 _DOUBLE: Final = ord(",")
 _BIG_NUMBER: Final = ord("(")
+_PUSH: Final = ord(">")
 
 
 class Incomplete(Exception):  # noqa: N818 (a signal, not an error)
@@ -62,11 +64,25 @@ def parse_replies(
     position = 0
     while len(replies) < count:
         try:
+            if data[position : position + 1] == b">":
+                # Out-of-band (RESP3 push: a server's maintenance notice), not
+                # a reply: passed over, as the connection's own parser would
+                # hand it to its handler and read on.
+                _, position = _array(data, *_header(data, position), decode, error)
+                continue
             reply, position = _parse(data, position, decode, error)
         except Incomplete:
             break
         replies.append(reply)
     return replies, position
+
+
+def _header(data: bytes, start: int) -> tuple[int, int]:
+    """The number on the line at ``start`` and where the next line starts."""
+    end = data.find(_CRLF, start)
+    if end < 0:
+        raise Incomplete
+    return int(data[start + 1 : end]), end + 2
 
 
 def _parse(data: bytes, start: int, decode: Decoder | None, error: ErrorParser) -> tuple[Any, int]:
