@@ -63,7 +63,16 @@ _BOTH = [
     b"-ERR Error running script (call to f_x): @user_script:1: boom\r\n",
 ]
 _RESP2 = [*_BOTH, b"$-1\r\n", b"*-1\r\n"]
-_RESP3 = [*_BOTH, b"_\r\n", b"#t\r\n", b",1.5\r\n", b"(3492890328409238509324850943850943825\r\n"]
+_RESP3 = [
+    *_BOTH,
+    b"_\r\n",
+    b"#t\r\n",
+    b",1.5\r\n",
+    b"(3492890328409238509324850943850943825\r\n",
+    b"%2\r\n+a\r\n:1\r\n" + _bulk(b"b") + b"~2\r\n:1\r\n:2\r\n",
+    b"=8\r\ntxt:hi\r\n\r\n",
+    b"!9\r\nERR boom!\r\n",
+]
 
 
 async def _redis_pys_reading(protocol: int, data: bytes, count: int, *, decode: bool) -> list[Any]:
@@ -90,8 +99,10 @@ async def test_replies_are_read_as_redis_pys_parser_reads_them(protocol: int, de
     data = b"".join(replies_sent)
     encoder = Encoder("utf-8", "strict", decode_responses=True)  # type: ignore[no-untyped-call]
     decoder = encoder.decode if decode else None
-    replies, used = parse_replies(data, len(replies_sent), decoder, _AsyncRESP3Parser.parse_error)
-    assert used == len(data)
+    replies, pushes, used = parse_replies(
+        data, len(replies_sent), decoder, _AsyncRESP3Parser.parse_error
+    )
+    assert (pushes, used) == ([], len(data))
     theirs = await _redis_pys_reading(protocol, data, len(replies_sent), decode=decode)
     _same(replies, theirs)
     assert isinstance(replies[8], NoScriptError)  # the pipeline sends the body again
@@ -100,12 +111,12 @@ async def test_replies_are_read_as_redis_pys_parser_reads_them(protocol: int, de
 def test_replies_cut_anywhere_are_read_whole_once_the_rest_arrives() -> None:
     sent = [*_RESP2, *_RESP3]
     data = b"".join(sent)
-    whole, _ = parse_replies(data, len(sent), None, _AsyncRESP3Parser.parse_error)
+    whole, _, _ = parse_replies(data, len(sent), None, _AsyncRESP3Parser.parse_error)
     for cut in range(len(data) + 1):
-        first, used = parse_replies(data[:cut], len(sent), None, _AsyncRESP3Parser.parse_error)
+        first, _, used = parse_replies(data[:cut], len(sent), None, _AsyncRESP3Parser.parse_error)
         # Only whole replies: each one read is complete, and none is cut short.
         assert used == sum(len(reply) for reply in sent[: len(first)])
-        rest, more = parse_replies(
+        rest, _, more = parse_replies(
             data[used:], len(sent) - len(first), None, _AsyncRESP3Parser.parse_error
         )
         assert used + more == len(data)
@@ -113,23 +124,32 @@ def test_replies_cut_anywhere_are_read_whole_once_the_rest_arrives() -> None:
 
 
 def test_no_more_replies_are_read_than_are_due() -> None:
-    replies, used = parse_replies(b":1\r\n:2\r\n", 1, None, _AsyncRESP3Parser.parse_error)
-    assert (replies, used) == ([1], 4)
+    replies = parse_replies(b":1\r\n:2\r\n", 1, None, _AsyncRESP3Parser.parse_error)
+    assert replies == ([1], [], 4)
 
 
-def test_a_push_between_replies_is_passed_over() -> None:
-    # A managed server's maintenance notice (RESP3), arriving between two replies.
-    push = b">3\r\n" + _bulk(b"MIGRATING") + b":17\r\n:30\r\n"
-    data = b":1\r\n" + push + b":0\r\n"
-    replies, used = parse_replies(data, 2, None, _AsyncRESP3Parser.parse_error)
-    assert (replies, used) == ([1, 0], len(data))
-    assert parse_replies(data[:-2], 2, None, _AsyncRESP3Parser.parse_error) == ([1], 4 + len(push))
+#: A managed server's maintenance notice (RESP3), with a map in it.
+_PUSH = b">3\r\n" + _bulk(b"MIGRATING") + b":17\r\n%1\r\n+slots\r\n:30\r\n"
 
 
-@pytest.mark.parametrize("reply", [b"%1\r\n+a\r\n:1\r\n", b"~2\r\n+a\r\n+b\r\n", b"!3\r\nbad\r\n"])
-def test_a_reply_no_lock_script_sends_is_a_protocol_error(reply: bytes) -> None:
+def test_a_push_between_replies_is_set_apart_for_the_push_handler() -> None:
+    data = b":1\r\n" + _PUSH + b":0\r\n"
+    parsed = parse_replies(data, 2, None, _AsyncRESP3Parser.parse_error)
+    assert parsed == ([1, 0], [[b"MIGRATING", 17, {b"slots": 30}]], len(data))
+    parsed = parse_replies(data[:-2], 2, None, _AsyncRESP3Parser.parse_error)
+    assert parsed == ([1], [[b"MIGRATING", 17, {b"slots": 30}]], 4 + len(_PUSH))
+
+
+@pytest.mark.parametrize("reply", [b"|1\r\n+a\r\n+b\r\n:1\r\n", b"?x\r\n", b":one\r\n", b"$x\r\n"])
+def test_bytes_that_are_no_reply_are_a_protocol_error(reply: bytes) -> None:
     with pytest.raises(InvalidResponse, match="Protocol Error"):
         parse_replies(reply, 1, None, _AsyncRESP3Parser.parse_error)
+
+
+def test_an_error_that_ends_the_connection_is_raised_wherever_it_is() -> None:
+    # As redis-py raises it, even inside an array.
+    with pytest.raises(BusyLoadingError):
+        parse_replies(b"*2\r\n-LOADING busy\r\n:1\r\n", 1, None, _AsyncRESP3Parser.parse_error)
 
 
 def _reading(chunks: list[bytes], unread: int) -> tuple[Any, Any]:
@@ -163,11 +183,25 @@ async def test_replies_that_arrive_in_pieces_are_read_as_they_come() -> None:
 
 async def test_an_error_reply_that_means_the_connection_is_done_is_raised() -> None:
     # As redis-py raises it: a server that is loading its data answers nothing else.
-    reading, connection = _reading([b":1\r\n-LOADING Redis is loading the dataset\r\n"], 2)
+    reading, connection = _reading([b":1\r\n", b"-LOADING Redis is loading the dataset\r\n"], 2)
     replies: list[Any] = []
     with pytest.raises(BusyLoadingError):
         await reading._read_lean(connection, replies)
     assert replies == [1]
+
+
+async def test_a_push_on_the_lock_connection_goes_to_the_connections_push_handler() -> None:
+    reading, connection = _reading([b":1\r\n" + _PUSH, b":0\r\n"], 2)
+    handled: list[Any] = []
+
+    async def handler(push: Any) -> None:
+        handled.append(push)
+
+    connection._parser.handle_push_response = handler
+    replies: list[Any] = []
+    await reading._read_lean(connection, replies)
+    assert replies == [1, 0]
+    assert handled == [[b"MIGRATING", 17, {b"slots": 30}]]
 
 
 async def test_a_connection_closed_before_every_reply_came_is_a_connection_error() -> None:

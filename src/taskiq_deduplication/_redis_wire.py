@@ -147,6 +147,9 @@ class _Connection:
         self._closed = False  # give the connection back when the operation ends
         self._lean = False  # the held connection goes the lean way
         self._rest = b""  # bytes read past the last reply parsed (a reply's start)
+        # Replies of calls written ahead, lost with a connection closed under the
+        # pipeline while it was idle: the next operation says so (see _lost).
+        self._lost = 0
 
     @property
     def ready(self) -> bool:
@@ -169,6 +172,7 @@ class _Connection:
 
     async def write(self, commands: list[Command]) -> None:
         connection = await self._begin_operation()
+        await self._raise_if_lost()
         try:
             await self._send(connection, commands)
             self._unread += len(commands)
@@ -179,6 +183,7 @@ class _Connection:
 
     async def execute(self, commands: list[Command]) -> list[Any]:
         connection = await self._begin_operation()
+        await self._raise_if_lost()
         replies: list[Any] = []
         try:
             if commands:
@@ -219,11 +224,17 @@ class _Connection:
         encoder = connection.encoder
         decode = encoder.decode if encoder.decode_responses else None
         timeout = connection.socket_timeout
+        # A push (RESP3: a managed server's maintenance notice) goes to the
+        # parser's handler, as redis-py's parser hands it on as it reads.
+        handle_push = getattr(connection._parser, "handle_push_response", None)  # noqa: SLF001
         data = self._rest
         try:
             async with async_timeout(timeout) if timeout else contextlib.nullcontext():
                 while True:
-                    data = self._take_replies(data, replies, decode, parse_error)
+                    data, pushes = self._take_replies(data, replies, decode, parse_error)
+                    for push in pushes:
+                        if handle_push is not None:
+                            await handle_push(push)
                     if not self._unread:
                         break
                     chunk = await stream.read(_READ_SIZE)
@@ -244,23 +255,39 @@ class _Connection:
 
     def _take_replies(
         self, data: bytes, replies: list[Any], decode: Decoder | None, parse_error: ErrorParser
-    ) -> bytes:
-        """Move the complete replies at the start of ``data`` to ``replies``; return the rest."""
+    ) -> tuple[bytes, list[list[Any]]]:
+        """Move the complete replies at the start of ``data`` to ``replies``.
+
+        Returns the bytes left, and the pushes found among the replies.
+        """
         if not data:
-            return data
-        found, used = parse_replies(data, self._unread, decode, parse_error)
+            return data, []
+        found, pushes, used = parse_replies(data, self._unread, decode, parse_error)
         self._unread -= len(found)
-        for reply in found:
-            if isinstance(reply, RedisConnectionError):
-                raise reply  # as redis-py raises it: the connection is done
-            replies.append(reply)
-        return data[used:]
+        replies += found
+        return data[used:], pushes
+
+    async def _raise_if_lost(self) -> None:
+        """Fail the operation that begins if replies were lost with a connection before it.
+
+        The pipeline then sends those calls again, with the rest, on the new
+        connection (every lock script is idempotent for its owner): read on
+        instead, the replies of this batch would go to the calls written ahead.
+        """
+        if self._lost:
+            lost, self._lost = self._lost, 0
+            await self._end_operation()  # the new connection is sound
+            msg = f"the connection closed with {lost} lock call replies unread; sending them again"
+            raise RedisConnectionError(msg)
 
     async def _begin_operation(self) -> AbstractConnection:
         self._in_use = True
         try:
             if self._held is None or not self._held.is_connected:
-                await self._give_back(disconnect=True)  # one the client closed under us
+                # One the client closed under us (its pool's disconnect(), say):
+                # the replies still due on it are gone, and the pipeline must know.
+                self._lost += self._unread
+                await self._give_back(disconnect=True)
                 args = ("EVALSHA",) if _wants_command_name(type(self._pool)) else ()
                 self._held = connection = await self._pool.get_connection(*args)  # type: ignore[no-untyped-call]
                 self._lean = _lean_fits(connection)

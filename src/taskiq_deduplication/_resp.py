@@ -3,11 +3,15 @@
 A batch's replies usually arrive in one read. redis-py's pure-Python parser
 awaits the stream once per line (four times for a three-element array); this
 reader takes whatever bytes have arrived and parses every complete reply in
-them without yielding. It knows the reply types a Lua script's reply can take
-(RESP2 rules, whatever the connection's protocol) and the scalars of RESP3,
-and passes over RESP3 pushes (out-of-band notices, such as a managed server's
-maintenance notifications); anything else is a protocol error, which fails the
-batch and drops the connection, as a reply redis-py cannot parse does.
+them without yielding. It reads what redis-py's RESP2 and RESP3 parsers read,
+the same way: the types a Lua script's reply can take (RESP2 rules, whatever
+the connection's protocol), RESP3's scalars, maps, sets and verbatim strings,
+and RESP3 pushes (out-of-band notices, such as a managed server's maintenance
+notifications), which are set apart for the connection's own push handler. An
+error reply becomes the exception redis-py makes of it, and one that means the
+connection is done (``LOADING``) is raised, as redis-py raises it. Anything
+else is a protocol error, which fails the batch and drops the connection, as a
+reply redis-py cannot parse does.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Final
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import InvalidResponse
 
 #: Parses an error reply's text into the exception redis-py would give for it.
@@ -23,16 +28,7 @@ ErrorParser = Callable[[str], Exception]
 Decoder = Callable[[bytes], Any]
 
 _CRLF: Final = b"\r\n"
-# Type bytes, as ints (indexing bytes gives ints).
-_SIMPLE: Final = ord("+")
-_ERROR: Final = ord("-")
-_INTEGER: Final = ord(":")
-_BULK: Final = ord("$")
-_ARRAY: Final = ord("*")
-_NULL: Final = ord("_")
-_BOOLEAN: Final = ord("#")
-_DOUBLE: Final = ord(",")
-_BIG_NUMBER: Final = ord("(")
+_INTEGER: Final = ord(":")  # the most common reply: most scripts answer 1 or 0
 _PUSH: Final = ord(">")
 
 
@@ -40,9 +36,22 @@ class Incomplete(Exception):  # noqa: N818 (a signal, not an error)
     """The bytes end before the reply does: read more and parse again."""
 
 
+class _Reading:
+    """What one parse needs besides the bytes: how to decode, how to make errors."""
+
+    __slots__ = ("decode", "error")
+
+    def __init__(self, decode: Decoder | None, error: ErrorParser) -> None:
+        self.decode = decode
+        self.error = error
+
+    def text(self, value: bytes) -> Any:  # noqa: ANN401 (str or bytes, as the client returns them)
+        return self.decode(value) if self.decode is not None else value
+
+
 def parse_replies(
     data: bytes, count: int, decode: Decoder | None, error: ErrorParser
-) -> tuple[list[Any], int]:
+) -> tuple[list[Any], list[list[Any]], int]:
     """Parse up to ``count`` replies from the start of ``data``.
 
     Args:
@@ -54,88 +63,118 @@ def parse_replies(
             comes back as that exception.
 
     Returns:
-        The complete replies found (at most ``count``) and the number of bytes
-        they took. An incomplete last reply is left for the next call.
+        The complete replies found (at most ``count``), the pushes found
+        among them (not replies: for the connection's push handler), and the
+        number of bytes they all took. An incomplete last reply is left for
+        the next call.
 
     Raises:
-        InvalidResponse: A reply of a type no lock script sends.
+        InvalidResponse: Bytes that are no reply redis-py reads.
+        redis.exceptions.ConnectionError: An error reply that means the
+            connection is done (as redis-py raises it).
     """
+    reading = _Reading(decode, error)
     replies: list[Any] = []
+    pushes: list[list[Any]] = []
     position = 0
     while len(replies) < count:
         try:
-            if data[position : position + 1] == b">":
-                # Out-of-band (RESP3 push: a server's maintenance notice), not
-                # a reply: passed over, as the connection's own parser would
-                # hand it to its handler and read on.
-                _, position = _array(data, *_header(data, position), decode, error)
-                continue
-            reply, position = _parse(data, position, decode, error)
+            is_push = data[position : position + 1] == b">"
+            reply, position = _parse(data, position, reading)
         except Incomplete:
             break
-        replies.append(reply)
-    return replies, position
+        (pushes if is_push else replies).append(reply)
+    return replies, pushes, position
 
 
-def _header(data: bytes, start: int) -> tuple[int, int]:
-    """The number on the line at ``start`` and where the next line starts."""
-    end = data.find(_CRLF, start)
-    if end < 0:
-        raise Incomplete
-    return int(data[start + 1 : end]), end + 2
-
-
-def _parse(data: bytes, start: int, decode: Decoder | None, error: ErrorParser) -> tuple[Any, int]:
+def _parse(data: bytes, start: int, reading: _Reading) -> tuple[Any, int]:
     """One reply from ``data`` at ``start``, and where the next one starts."""
     end = data.find(_CRLF, start)
     if end < 0:
         raise Incomplete
     kind = data[start]
     line = data[start + 1 : end]
-    after = end + 2
-    if kind == _INTEGER:  # the most common: most scripts answer 1 or 0
-        return int(line), after
-    if kind == _BULK:
-        return _bulk(data, int(line), after, decode)
-    if kind == _ARRAY:
-        return _array(data, int(line), after, decode, error)
-    if kind == _ERROR:
-        return error(line.decode("utf-8", "replace")), after
-    if kind == _SIMPLE:
-        return (decode(line) if decode is not None else line), after
-    scalar = _SCALARS.get(kind)
-    if scalar is None:
-        msg = f"Protocol Error: a reply of type {chr(kind)!r} where a lock script's reply was due"
-        raise InvalidResponse(msg)
-    return scalar(line), after
+    try:
+        if kind == _INTEGER:
+            return int(line), end + 2
+        read = _READERS.get(kind)
+        if read is None:
+            msg = f"Protocol Error: {data[start:end]!r}"
+            raise InvalidResponse(msg)
+        return read(data, line, end + 2, reading)
+    except ValueError as exc:  # a length or a number that is none
+        msg = f"Protocol Error: {data[start:end]!r}"
+        raise InvalidResponse(msg) from exc
 
 
-def _bulk(data: bytes, length: int, start: int, decode: Decoder | None) -> tuple[Any, int]:
+def _bulk(data: bytes, line: bytes, start: int, reading: _Reading) -> tuple[Any, int]:
+    length = int(line)
     if length < 0:  # RESP2's null
         return None, start
     stop = start + length
     if len(data) < stop + 2:
         raise Incomplete
-    value = data[start:stop]
-    return (decode(value) if decode is not None else value), stop + 2
+    return reading.text(data[start:stop]), stop + 2
 
 
-def _array(
-    data: bytes, size: int, start: int, decode: Decoder | None, error: ErrorParser
-) -> tuple[list[Any] | None, int]:
+def _verbatim(data: bytes, line: bytes, start: int, reading: _Reading) -> tuple[Any, int]:
+    raw, after = _bulk(data, line, start, _Reading(None, reading.error))
+    return reading.text(raw[4:]), after  # past "txt:" or "mkd:"
+
+
+def _array(data: bytes, line: bytes, start: int, reading: _Reading) -> tuple[Any, int]:
+    size = int(line)
     if size < 0:  # RESP2's null array
         return None, start
     items = []
     for _ in range(size):
-        item, start = _parse(data, start, decode, error)
+        item, start = _parse(data, start, reading)
         items.append(item)
     return items, start
 
 
-#: The RESP3 scalars besides integers, by type byte: what each line means.
-_SCALARS: Final[dict[int, Callable[[bytes], Any]]] = {
-    _NULL: lambda _: None,
-    _BOOLEAN: lambda line: line == b"t",
-    _DOUBLE: float,
-    _BIG_NUMBER: int,
+def _map(data: bytes, line: bytes, start: int, reading: _Reading) -> tuple[Any, int]:
+    items: dict[Any, Any] = {}
+    for _ in range(int(line)):
+        key, start = _parse(data, start, reading)
+        items[key], start = _parse(data, start, reading)
+    return items, start
+
+
+def _error(data: bytes, line: bytes, start: int, reading: _Reading) -> tuple[Any, int]:  # noqa: ARG001 (a reader's signature)
+    error = reading.error(line.decode("utf-8", "replace"))
+    if isinstance(error, RedisConnectionError):
+        raise error  # as redis-py raises it: the connection is done
+    return error, start
+
+
+def _blob_error(data: bytes, line: bytes, start: int, reading: _Reading) -> tuple[Any, int]:
+    raw, after = _bulk(data, line, start, _Reading(None, reading.error))
+    return _error(data, raw, after, reading)
+
+
+def _scalar(convert: Callable[[bytes], Any]) -> Callable[..., tuple[Any, int]]:
+    def read(data: bytes, line: bytes, start: int, reading: _Reading) -> tuple[Any, int]:  # noqa: ARG001 (a reader's signature)
+        return convert(line), start
+
+    return read
+
+
+#: How each type of reply is read, by its first byte (integers, the most
+#: common, are read before this is looked at). Sets come back as lists, as
+#: redis-py returns them.
+_READERS: Final[dict[int, Callable[[bytes, bytes, int, _Reading], tuple[Any, int]]]] = {
+    ord("$"): _bulk,
+    ord("*"): _array,
+    ord("~"): _array,
+    _PUSH: _array,
+    ord("%"): _map,
+    ord("="): _verbatim,
+    ord("-"): _error,
+    ord("!"): _blob_error,
+    ord("+"): lambda data, line, start, reading: (reading.text(line), start),  # noqa: ARG005
+    ord("_"): _scalar(lambda _: None),
+    ord("#"): _scalar(lambda line: line == b"t"),
+    ord(","): _scalar(float),
+    ord("("): _scalar(int),
 }

@@ -381,3 +381,43 @@ async def test_a_success_ttl_is_not_stretched_by_an_extension_sent_while_it_is_k
         (key,) = lock_keys(admin_client, prefix)
         assert 0 < admin_client.pttl(key) <= 5_000
     await other.aclose()
+
+
+# Replies of calls written ahead, lost with a connection the client closed
+
+
+async def test_replies_lost_with_a_connection_closed_under_the_pipeline_go_to_no_other_call(
+    server: Server,
+) -> None:
+    client = redis.asyncio.Redis.from_url(server.url + "?socket_timeout=5")
+    store = LockStore(client)
+    await store.load_scripts()
+    pipeline = store._pipeline
+    a, b, c = (Lock(f"lost:{name}", f"tok{name}", f"task-{name}", 30_000) for name in "abc")
+    assert (await store.acquire(a, 30_000)).holder is None
+    # A caller's acquire queued behind a batch in flight (held busy here, so
+    # that what follows does not depend on timing) ...
+    pipeline._busy = True
+    acquiring_b = asyncio.ensure_future(store.acquire(b, 30_000))
+    await asyncio.sleep(0)
+    pipeline._busy = False
+    # ... goes out with an extension written ahead, and its reply is read later.
+    await store.extend_detached(a)
+    assert pipeline._written
+    # Before that read, the application closes the client's connections, the
+    # pipeline's among them (the pipeline held busy again till then).
+    pipeline._busy = True
+    await client.connection_pool.disconnect()
+    pipeline._busy = False
+    acquired_c = await asyncio.wait_for(store.acquire(c, 30_000), 10)
+    acquired_b = await asyncio.wait_for(acquiring_b, 10)
+    # Each call gets its own reply: b's acquire was sent again, in order, before c's.
+    assert acquired_b.holder is None
+    assert acquired_c.holder is None
+    assert (acquired_b.token or "").startswith("tokb")
+    assert (acquired_c.token or "").startswith("tokc")
+    with admin(server.port) as admin_client:
+        assert admin_client.get(b.key).startswith("tokb")
+        assert admin_client.get(c.key).startswith("tokc")
+    await store.close()
+    await client.aclose()
