@@ -31,7 +31,7 @@ from taskiq import InMemoryBroker, SimpleRetryMiddleware, SmartRetryMiddleware, 
 
 from taskiq_deduplication import RedisDeduplicationMiddleware
 from taskiq_deduplication._heartbeat import Beat
-from taskiq_deduplication._redis_wire import WIRE_ENV, _lean_fits, _misfit
+from taskiq_deduplication._wire_probe import WIRE_ENV, lean_fits, misfit_of
 from taskiq_deduplication.testing import Deduplication
 from tests import _xdist
 from tests._brokers import HoldingBroker, retry_middleware
@@ -153,11 +153,11 @@ def redis_wire(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     else:
         monkeypatch.delenv(WIRE_ENV, raising=False)
     probed = redis.asyncio.Redis().connection_pool.make_connection()  # type: ignore[no-untyped-call]
-    lean = _lean_fits(probed)
+    lean = lean_fits(probed)
     if wire == "public":
         assert not lean, f"{WIRE_ENV}=public did not make the probe pick the public way"
     elif not lean:
-        pytest.skip(f"the lean way does not fit this redis-py: {_misfit(probed)}")
+        pytest.skip(f"the lean way does not fit this redis-py: {misfit_of(probed)}")
     return wire
 
 

@@ -16,7 +16,7 @@ import redis.asyncio.connection
 from redis._parsers import _AsyncRESP2Parser, _AsyncRESP3Parser
 
 from taskiq_deduplication import DuplicateTaskError
-from taskiq_deduplication._redis_wire import WIRE_ENV, _misfit
+from taskiq_deduplication._wire_probe import WIRE_ENV, misfit_of
 from tests._brokers import HoldingBroker
 from tests.conftest import BrokerFactory
 
@@ -43,7 +43,7 @@ def test_the_lean_way_fits_redis_pys_own_connections(parser: str) -> None:
     if parser != "default":
         options["parser_class"] = _AsyncRESP2Parser if parser == "RESP2" else _AsyncRESP3Parser
     connection = redis.asyncio.ConnectionPool(**options).make_connection()  # type: ignore[no-untyped-call]
-    assert _misfit(connection) == ""
+    assert misfit_of(connection) == ""
 
 
 @pytest.fixture

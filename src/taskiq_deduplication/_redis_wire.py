@@ -18,9 +18,9 @@ Two ways through a plain connection:
   ``send_packed_command`` and ``read_response`` for each reply. The same
   commands and round trips, with a little more work per call.
 
-A probe picks the way when the pipeline takes its first connection of a
-class: lean if that connection has the private attributes the lean way
-uses, in the shapes it expects; else public, said once at DEBUG on the
+A probe (``_wire_probe.py``) picks the way when the pipeline takes its first
+connection of a class: lean if that connection has the private attributes the
+lean way uses, in the shapes it expects; else public, said once at DEBUG on the
 ``taskiq_deduplication.pipeline`` logger. Setting the environment variable
 ``TASKIQ_DEDUP_REDIS_WIRE=public`` forces the public way (for the tests, and
 as a way out should a redis-py release break the lean way unnoticed); it is
@@ -34,7 +34,6 @@ import contextlib
 import functools
 import inspect
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
@@ -45,11 +44,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from taskiq_deduplication._resp import Decoder, ErrorParser, parse_replies
-
-try:  # the timeout redis-py reads under, on every Python
-    from redis.asyncio.connection import async_timeout  # type: ignore[attr-defined]
-except ImportError:  # a redis-py that reads otherwise: the probe picks the public way
-    async_timeout = None
+from taskiq_deduplication._wire_probe import async_timeout, lean_fits
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -60,8 +55,6 @@ if TYPE_CHECKING:
 # The pipeline's logger: what this module says is about the lock pipeline.
 logger = logging.getLogger("taskiq_deduplication.pipeline")
 
-#: The environment variable that forces the public way (see the module docstring).
-WIRE_ENV: Final = "TASKIQ_DEDUP_REDIS_WIRE"
 
 Command = tuple[Any, ...]
 
@@ -134,7 +127,7 @@ class _Connection:
     it gives it back, once.
 
     The connection is written to and read from the lean way or the public way,
-    as the probe (:func:`_lean_fits`) says for each connection taken.
+    as the probe (``_wire_probe.lean_fits``) says for each connection taken.
     """
 
     writes_ahead = True
@@ -290,7 +283,7 @@ class _Connection:
                 await self._give_back(disconnect=True)
                 args = ("EVALSHA",) if _wants_command_name(type(self._pool)) else ()
                 self._held = connection = await self._pool.get_connection(*args)  # type: ignore[no-untyped-call]
-                self._lean = _lean_fits(connection)
+                self._lean = lean_fits(connection)
                 # A hung server still accepts connections (its kernel does): lock
                 # calls go out only on a connection that has answered, so a hung
                 # server does not collect batch after batch to run when it wakes.
@@ -322,91 +315,6 @@ class _Connection:
         self._closed = True
         if not self._in_use:  # else the operation under way gives it back
             await self._give_back()
-
-
-def _lean_fits(connection: AbstractConnection) -> bool:
-    """The probe: whether ``connection`` goes the lean way (see the module docstring).
-
-    The lean way's needs are checked once per kind of connection (its class
-    and its parser's, which the client's ``parser_class`` and protocol pick),
-    on the first connection of that kind; :data:`WIRE_ENV` is read every time.
-    """
-    kind = (type(connection), type(getattr(connection, "_parser", None)))
-    misfit = _MISFITS.get(kind)
-    if misfit is None:
-        misfit = _MISFITS[kind] = _misfit(connection)
-    if os.environ.get(WIRE_ENV, "").strip().lower() == "public":
-        misfit = f"{WIRE_ENV}=public"
-    if misfit and (kind, misfit) not in _TOLD:
-        _TOLD.add((kind, misfit))
-        logger.debug(
-            "Lock calls go through redis-py's public API on %s connections (parser %s): %s",
-            kind[0].__name__,
-            kind[1].__name__,
-            misfit,
-        )
-    return not misfit
-
-
-#: Per kind of connection (its class, its parser's), why the lean way does not
-#: fit it ("" when it does).
-_MISFITS: dict[tuple[type[AbstractConnection], type[Any]], str] = {}
-#: The choices of the public way logged so far: each is logged once.
-_TOLD: set[tuple[tuple[type[AbstractConnection], type[Any]], str]] = set()
-
-
-def _misfit(connection: AbstractConnection) -> str:
-    """Why the lean way cannot use ``connection``, or ``""`` if it can.
-
-    What the lean way touches (``_pack``, ``_write_at_once``, ``_read_lean``),
-    in the shapes it uses: a parser whose ``read_response`` is a coroutine
-    taking no argument (the ``PING`` of a new connection) and which has
-    ``parse_error()``, ``_host_error()``, the ``_writer`` and ``_reader``
-    attributes (``None`` until connected), the numbers of the read timeout and
-    the health check, the encoder's encoding, and redis-py's ``async_timeout``.
-    """
-    read = getattr(getattr(connection, "_parser", None), "read_response", None)
-    host_error = getattr(connection, "_host_error", None)
-    encoder = getattr(connection, "encoder", None)
-    checks = (
-        (async_timeout is not None, "redis.asyncio.connection has no async_timeout"),
-        (
-            inspect.iscoroutinefunction(read) and _takes_no_argument(read),
-            "it has no _parser with a read_response() coroutine",
-        ),
-        (callable(host_error) and _takes_no_argument(host_error), "it has no _host_error()"),
-        (hasattr(connection, "_writer"), "it has no _writer"),
-        (hasattr(connection, "_reader"), "it has no _reader"),
-        (
-            callable(getattr(getattr(connection, "_parser", None), "parse_error", None)),
-            "its _parser has no parse_error()",
-        ),
-        (_is_number(connection, "socket_timeout", or_none=True), "no socket_timeout number"),
-        (_is_number(connection, "health_check_interval"), "no health_check_interval number"),
-        (_is_number(connection, "next_health_check"), "no next_health_check number"),
-        (
-            all(isinstance(getattr(encoder, name, None), str) for name in _ENCODING),
-            "it has no encoder with an encoding",
-        ),
-    )
-    return next((why for fits, why in checks if not fits), "")
-
-
-_ENCODING: Final = ("encoding", "encoding_errors")
-
-
-def _is_number(connection: AbstractConnection, name: str, *, or_none: bool = False) -> bool:
-    missing = object()
-    value = getattr(connection, name, missing)
-    return isinstance(value, (int, float)) or (or_none and value is None)
-
-
-def _takes_no_argument(function: Callable[..., Any]) -> bool:
-    try:
-        inspect.signature(function).bind()
-    except (TypeError, ValueError):  # ValueError: no signature to read
-        return False
-    return True
 
 
 @functools.cache
