@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import redis.asyncio
@@ -303,15 +303,33 @@ async def test_a_script_cache_lost_again_and_again_during_a_burst_fails_no_kiq(
 # Writing ahead to a Redis that does not read
 
 
+@pytest.fixture
+async def client(server: Server) -> AsyncIterator[redis.asyncio.Redis]:
+    """A client of this test's server; each call waits 5 s for its reply."""
+    own = redis.asyncio.Redis.from_url(server.url + "?socket_timeout=5")
+    try:
+        yield own
+    finally:
+        await own.aclose()
+
+
+@pytest.fixture
+async def store(client: redis.asyncio.Redis) -> AsyncIterator[LockStore]:
+    """A lock store on ``client``, its scripts loaded."""
+    locks = LockStore(client)
+    await locks.load_scripts()
+    try:
+        yield locks
+    finally:
+        await locks.close()
+
+
 async def test_extensions_written_ahead_to_a_redis_that_stopped_reading_all_land_in_order(
-    server: Server,
+    server: Server, store: LockStore
 ) -> None:
     # Big keys fill the socket's buffers while Redis is paused (for less than
     # the socket timeout), so that the writes ahead stop going out at once and
     # queue behind a bounded write that waits for Redis to read again.
-    client = redis.asyncio.Redis.from_url(server.url + "?socket_timeout=5")
-    store = LockStore(client)
-    await store.load_scripts()
     locks = [Lock(f"t:{n:03}:" + "k" * 65_536, f"tok{n}", f"task{n}", 120_000) for n in range(300)]
     with admin(server.port) as admin_client:
         for lock in locks:
@@ -333,8 +351,6 @@ async def test_extensions_written_ahead_to_a_redis_that_stopped_reading_all_land
         await wait_until(all_landed, timeout=15, interval=0.2)
         assert store.backlog == 0
         admin_client.delete(*(lock.key for lock in locks[:-1]))
-    await store.close()
-    await client.aclose()
 
 
 # The end of a run in the sending process, and that send's own extension
@@ -387,11 +403,8 @@ async def test_a_success_ttl_is_not_stretched_by_an_extension_sent_while_it_is_k
 
 
 async def test_replies_lost_with_a_connection_closed_under_the_pipeline_go_to_no_other_call(
-    server: Server,
+    server: Server, client: redis.asyncio.Redis, store: LockStore
 ) -> None:
-    client = redis.asyncio.Redis.from_url(server.url + "?socket_timeout=5")
-    store = LockStore(client)
-    await store.load_scripts()
     pipeline = store._pipeline
     a, b, c = (Lock(f"lost:{name}", f"tok{name}", f"task-{name}", 30_000) for name in "abc")
     assert (await store.acquire(a, 30_000)).holder is None
@@ -419,5 +432,3 @@ async def test_replies_lost_with_a_connection_closed_under_the_pipeline_go_to_no
     with admin(server.port) as admin_client:
         assert admin_client.get(b.key).startswith("tokb")
         assert admin_client.get(c.key).startswith("tokc")
-    await store.close()
-    await client.aclose()
