@@ -231,8 +231,8 @@ def new_run_token(token: str) -> str:
     tells what it is for.
     """
     owner, separator, record = token.partition(RECORD_MARK)
-    random, mark, digest = owner.partition(_DIGEST_MARK)
-    if mark and random and digest:
+    drawn, mark, digest = owner.partition(_DIGEST_MARK)
+    if mark and drawn and digest:
         run = RUN_MARK + _random_text(6)[:5] + _DIGEST_MARK + digest
     else:
         run = RUN_MARK + _random_text(8)[:10]

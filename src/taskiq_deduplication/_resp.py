@@ -29,7 +29,7 @@ Decoder = Callable[[bytes], Any]
 
 _CRLF: Final = b"\r\n"
 _INTEGER: Final = ord(":")  # the most common reply: most scripts answer 1 or 0
-_PUSH: Final = ord(">")
+_PUSH: Final = b">"
 
 
 class Incomplete(Exception):  # noqa: N818 (a signal, not an error)
@@ -79,7 +79,7 @@ def parse_replies(
     position = 0
     while len(replies) < count:
         try:
-            is_push = data[position : position + 1] == b">"
+            is_push = data.startswith(_PUSH, position)
             reply, position = _parse(data, position, reading)
         except Incomplete:
             break
@@ -107,19 +107,25 @@ def _parse(data: bytes, start: int, reading: _Reading) -> tuple[Any, int]:
         raise InvalidResponse(msg) from exc
 
 
-def _bulk(data: bytes, line: bytes, start: int, reading: _Reading) -> tuple[Any, int]:
+def _raw(data: bytes, line: bytes, start: int) -> tuple[bytes | None, int]:
+    """A length-prefixed body (bulk string, verbatim string, blob error), undecoded."""
     length = int(line)
     if length < 0:  # RESP2's null
         return None, start
     stop = start + length
     if len(data) < stop + 2:
         raise Incomplete
-    return reading.text(data[start:stop]), stop + 2
+    return data[start:stop], stop + 2
+
+
+def _bulk(data: bytes, line: bytes, start: int, reading: _Reading) -> tuple[Any, int]:
+    raw, after = _raw(data, line, start)
+    return (None if raw is None else reading.text(raw)), after
 
 
 def _verbatim(data: bytes, line: bytes, start: int, reading: _Reading) -> tuple[Any, int]:
-    raw, after = _bulk(data, line, start, _Reading(None, reading.error))
-    return reading.text(raw[4:]), after  # past "txt:" or "mkd:"
+    raw, after = _raw(data, line, start)
+    return reading.text((raw or b"")[4:]), after  # past "txt:" or "mkd:"
 
 
 def _array(data: bytes, line: bytes, start: int, reading: _Reading) -> tuple[Any, int]:
@@ -149,8 +155,8 @@ def _error(data: bytes, line: bytes, start: int, reading: _Reading) -> tuple[Any
 
 
 def _blob_error(data: bytes, line: bytes, start: int, reading: _Reading) -> tuple[Any, int]:
-    raw, after = _bulk(data, line, start, _Reading(None, reading.error))
-    return _error(data, raw, after, reading)
+    raw, after = _raw(data, line, start)
+    return _error(data, raw or b"", after, reading)
 
 
 def _scalar(convert: Callable[[bytes], Any]) -> Callable[..., tuple[Any, int]]:
@@ -167,7 +173,7 @@ _READERS: Final[dict[int, Callable[[bytes, bytes, int, _Reading], tuple[Any, int
     ord("$"): _bulk,
     ord("*"): _array,
     ord("~"): _array,
-    _PUSH: _array,
+    _PUSH[0]: _array,
     ord("%"): _map,
     ord("="): _verbatim,
     ord("-"): _error,
