@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import logging
 import sys
 from datetime import datetime, timedelta, timezone
@@ -27,7 +28,7 @@ from taskiq_deduplication import (
     DuplicateTaskError,
     RedisDeduplicationMiddleware,
 )
-from taskiq_deduplication._ticks import INTERVAL_MARGIN_MS, ONE_OFF_TTL_MS, tick_of
+from taskiq_deduplication._ticks import INTERVAL_MARGIN_MS, ONE_OFF_TTL_MS, CronPaths, tick_of
 from taskiq_deduplication.scheduler import replica
 from tests._brokers import KeptSchedules, RefusingBroker
 from tests._server import Server
@@ -567,6 +568,106 @@ async def test_a_tick_of_a_schedule_with_a_cron_and_an_interval_is_named_by_its_
     assert "not sent here" in said[2]
     assert said[3].startswith("Tick (interval 60s)")
     assert "not sent here" in said[3]
+
+
+async def within_a_minute(seconds: float) -> None:
+    """Return once the next ``seconds`` fall in one minute (at once, or early in the next)."""
+    now = datetime.now(timezone.utc)
+    if now.second + now.microsecond / 1e6 + seconds >= 59:
+        await asyncio.sleep(61 - now.second - now.microsecond / 1e6)
+
+
+def started_late(
+    source: DeduplicatedScheduleSource, both: ScheduledTask, cron_at: datetime
+) -> None:
+    """What ``source``'s taskiq loop sent of ``both`` when it started, in the minute before.
+
+    Its first pass sent the cron's tick (at ``cron_at``), its second the
+    interval's (due, never sent): from then on its cron goes out at that second
+    of each minute, as taskiq's loop counts a minute from its last cron send.
+    """
+    source._tick(both, cron_at)
+    source._tick(both, cron_at + timedelta(seconds=1))
+
+
+async def outcome(source: DeduplicatedScheduleSource, both: ScheduledTask) -> str:
+    try:
+        await source.pre_send(both)
+    except ScheduledTaskCancelledError:
+        return "cancelled"
+    return "sent"
+
+
+async def test_replicas_name_a_tick_by_its_path_when_one_sends_its_interval_before_its_cron(
+    make_middleware: MiddlewareFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    on_time, late = await replicas(make_middleware)
+    both = schedule(cron="* * * * *", interval=60)
+    await within_a_minute(3)
+    caplog.set_level(logging.INFO, logger="taskiq_deduplication")
+    try:
+        sent = [await outcome(on_time, both)]  # its loop: the cron's tick of this minute
+        # late's loop sends its cron a second later in each minute than on_time's.
+        started_late(late, both, datetime.now(timezone.utc) + timedelta(seconds=1, minutes=-1))
+        sent.append(await outcome(late, both))  # its loop: the interval's tick, come round
+        await asyncio.sleep(1)
+        sent.append(await outcome(late, both))  # its loop: this minute's cron's tick
+    finally:
+        await shut([on_time, late])
+    said = [r.getMessage() for r in caplog.records]
+    # The interval's tick is one, whichever replica sends it first in the
+    # minute; the minute's cron tick is another, sent once.
+    assert sent == ["sent", "sent", "cancelled"], said
+    assert said[0].startswith("Tick (cron minute ")
+    assert said[1].startswith("Tick (interval 60s)")
+    assert said[2].startswith("Tick (cron minute ")
+    assert said[2].endswith(f"not sent here, replica {replica()} sent it")
+
+
+async def test_a_scheduler_whose_cron_goes_out_late_in_the_minute_sends_every_tick(
+    make_middleware: MiddlewareFactory,
+) -> None:
+    late, idle = await replicas(make_middleware)
+    both = schedule(cron="* * * * *", interval=3)
+    await within_a_minute(5)
+    # Its loop started 57 s ago: its cron goes out 3 s from now, in this minute.
+    started_late(late, both, datetime.now(timezone.utc) + timedelta(seconds=3, minutes=-1))
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    try:
+        sent = [await outcome(late, both)]  # the interval's tick
+        await asyncio.sleep(max(0.0, start + 3 - loop.time()))
+        # The cron's tick; the interval, due too, waits for the loop's next pass.
+        sent.append(await outcome(late, both))
+        await asyncio.sleep(max(0.0, start + 4 - loop.time()))
+        sent.append(await outcome(late, both))  # the interval's tick, a pass later
+    finally:
+        await shut([late, idle])
+    # As taskiq's own loop sends them: the cron's tick never holds back the interval's.
+    assert sent == ["sent", "sent", "sent"]
+
+
+@pytest.mark.parametrize("skip_first_run", [False, True], ids=["start", "skip-first-run"])
+async def test_the_path_of_a_send_is_the_one_taskiqs_own_loop_takes(skip_first_run: bool) -> None:
+    scheduler = TaskiqScheduler(InMemoryBroker(), sources=[])
+    for start_second, interval in itertools.product(range(0, 58, 7), [3, 10, 90]):
+        both = schedule(cron="* * * * *", interval=interval, schedule_id="both")
+        start = NOW.replace(second=start_second)
+        taskiq = scheduler_run.SchedulerLoop(scheduler, event_loop=asyncio.get_running_loop())
+        if skip_first_run:  # what the loop does before its first pass
+            taskiq.cron_tasks_last_run["both"] = start.replace(second=0)
+        paths = CronPaths(100)
+        for second in range(180):  # one pass a second, as taskiq's loop makes them
+            now = start + timedelta(seconds=second, milliseconds=3)
+            cron_before = taskiq.cron_tasks_last_run.get("both")
+            if not taskiq._is_schedule_ready_to_send(both, now):
+                continue
+            by_cron = taskiq.cron_tasks_last_run.get("both") is not cron_before
+            # A few milliseconds later, in the send; the first send after
+            # --skip-first-run is taken for the cron's tick (the next one tells).
+            named = paths.by_cron(both, now + timedelta(milliseconds=5))
+            if not (skip_first_run and second == 0):
+                assert named == by_cron, (start_second, interval, now.time())
 
 
 # A tick that went out, a one-off that is over

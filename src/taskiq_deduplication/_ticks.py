@@ -13,8 +13,14 @@ interval schedule, else it is a one-off (``time``): the order in which taskiq's
 scheduler looks at them. A schedule with both a cron and an interval is sent by
 taskiq's scheduler on either path: its cron's tick where the cron is due (once
 per cron minute), its interval's ticks in between. Its tick is named by the
-path that sent it (see `tick_of`'s ``by_cron``). How a tick is told apart, and
-how long its lock lives:
+path that sent it (see `tick_of`'s ``by_cron``), and every replica tells the
+path the way its own taskiq loop took it (`CronPaths`): a send is the cron's
+when the cron is due and the replica's last send on the cron's path is a
+minute or more ago, else it is the interval's. Not "the first send of a
+minute": a replica whose cron goes out at second 30 (it started then) sends
+interval ticks before it in each minute, and those are interval ticks on every
+replica, never the minute's cron tick. How a tick is told apart, and how long
+its lock lives:
 
 - cron: one tick per cron minute, counted in the schedule's own time (its
   ``cron_offset``, a time zone or a shift); the lock lives to the end of the
@@ -57,6 +63,8 @@ INTERVAL_MARGIN_MS: Final = 500
 #: How long the lock of a one-off's tick lives: a day.
 ONE_OFF_TTL_MS: Final = 24 * 60 * 60 * 1000
 _MINUTE: Final = 60
+# Seconds from one pass of taskiq's scheduler loop to the next (its default loop interval).
+_NEXT_PASS: Final = 1
 # Labels that do not say what a schedule is (see `_labels`).
 _NOT_WHAT: Final = frozenset({"schedule_id", "types_of_exceptions"})
 _PLAIN: Final = (str, int, float, bool, type(None), list, dict)
@@ -121,19 +129,96 @@ def tick_of(
     return Tick(tick_key(prefix, identity), ONE_OFF_TTL_MS, f"time {fields['time']}")
 
 
-def cron_minute(task: ScheduledTask, now: datetime) -> int | None:
-    """The minute (in the schedule's own time) if ``task``'s cron is due at ``now``, else ``None``.
+@dataclass(frozen=True, slots=True)
+class _CronSend:
+    at: datetime
+    """When this process sent the schedule on its cron's path."""
+    first: bool
+    """Sent with no send on that path before it in this process: the first
+    pass of taskiq's loop, unless ``--skip-first-run`` made it the interval's."""
 
-    Due as taskiq's scheduler finds it (its cron, in its ``cron_offset``);
-    ``None`` too for a schedule without a cron, or one taskiq cannot read.
+
+class CronPaths:
+    """Which sends of schedules with both a cron and an interval are their cron's, in one process.
+
+    taskiq's loop sends such a schedule on its cron's path when the cron is due
+    (in its ``cron_offset``) and the loop's last send of that ``schedule_id``
+    on that path is a minute or more ago, in whole seconds as taskiq rounds
+    them; else on its interval's path. The loop keeps that last send to itself:
+    this replays it from the sends the process makes, so that every replica
+    names a send by the path its own loop took, whatever second of the minute
+    its cron goes out at. The rule, for a send at ``now``:
+
+    - the cron's tick, if the cron is due at ``now`` and this process sent no
+      cron's tick of the schedule in the minute (rounded) before ``now``;
+    - the interval's tick otherwise.
+
+    ``taskiq scheduler --skip-first-run`` marks every cron sent at the start of
+    the first minute without sending it: then the first send, which this takes
+    for the cron's, was the interval's. The send after it tells: after a first
+    cron's tick taskiq's loop sends the interval's at once (due since it never
+    went out), before the interval has passed and before the next minute's
+    cron could be due; otherwise that first send counts from the start of its
+    minute, as taskiq counts it. Not replayed: a cron's tick that taskiq's loop
+    skips because the schedule's previous send is still under way (the next
+    send, an interval's, is taken for the cron's tick of that minute).
     """
-    if task.cron is None:
-        return None
+
+    def __init__(self, remembered: int) -> None:
+        """Remember the cron's sends of up to ``remembered`` schedules."""
+        self._remembered = remembered
+        self._sends: dict[str, _CronSend] = {}
+
+    def by_cron(self, task: ScheduledTask, now: datetime) -> bool:
+        """Whether taskiq's loop sends ``task`` at ``now`` on its cron's path (remembered if so)."""
+        if task.cron is None:
+            return False
+        last = self._sends.get(task.schedule_id)
+        if last is not None and last.first:
+            last = _CronSend(_first_send(task, last.at, now), first=False)
+            self._sends[task.schedule_id] = last
+        try:
+            due = is_cron_task_now(
+                task.cron, now, task.cron_offset, None if last is None else last.at
+            )
+        except CronValueError:
+            return False
+        if due:
+            self._remember(task.schedule_id, _CronSend(now, first=last is None))
+        return due
+
+    def _remember(self, schedule_id: str, send: _CronSend) -> None:
+        self._sends.pop(schedule_id, None)
+        if len(self._sends) >= self._remembered:
+            # A send more than a minute old no longer holds the next one back.
+            recent = send.at - timedelta(minutes=2)
+            self._sends = {k: v for k, v in self._sends.items() if v.at >= recent}
+            while len(self._sends) >= self._remembered:
+                del self._sends[next(iter(self._sends))]
+        self._sends[schedule_id] = send
+
+
+def _first_send(task: ScheduledTask, at: datetime, now: datetime) -> datetime:
+    """When taskiq's loop counts the first cron's send (at ``at``) made, seen from the next send.
+
+    ``at`` itself when the next send (``now``) is the interval's that taskiq
+    sends on the pass right after a first cron's tick (a second later); the
+    start of ``at``'s minute when it is what ``--skip-first-run`` leaves: the
+    interval come round, or the cron due again counted from that start. On
+    the very next pass both could be, and taskiq's default (no skip) is taken.
+    """
+    passed = round((now - at).total_seconds())
+    start = at.replace(second=0, microsecond=0)
+    if passed <= _NEXT_PASS:
+        return at
+    interval = _seconds(task.interval)
+    if interval is not None and passed >= round(interval):
+        return start
     try:
-        due = is_cron_task_now(task.cron, now, task.cron_offset)
+        due_from_start = is_cron_task_now(task.cron or "", now, task.cron_offset, start)
     except CronValueError:
-        return None
-    return math.floor((now.timestamp() + _shift(task.cron_offset, now)) / _MINUTE) if due else None
+        return at
+    return start if due_from_start else at
 
 
 def _labels(labels: Mapping[str, Any]) -> dict[str, Any]:

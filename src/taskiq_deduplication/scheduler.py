@@ -35,7 +35,7 @@ from taskiq_deduplication import _refusals
 from taskiq_deduplication._formats import holder_task_id, new_token
 from taskiq_deduplication._loops import states_of
 from taskiq_deduplication._store import Lock
-from taskiq_deduplication._ticks import Tick, cron_minute, is_one_off, tick_of
+from taskiq_deduplication._ticks import CronPaths, Tick, is_one_off, tick_of
 from taskiq_deduplication.exceptions import REDIS_ERRORS, DuplicateTaskError
 from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
 
@@ -128,9 +128,8 @@ class DeduplicatedScheduleSource(ScheduleSource):
         self._consuming: set[asyncio.Task[None]] = set()
         # Interval tick key -> (value of the lock this source took, loop time of that tick).
         self._own: dict[str, tuple[str, float]] = {}
-        # Cron tick key -> its minute: the cron ticks of schedules that also
-        # have an interval, seen here (taskiq's loop sends the cron's tick first).
-        self._cron_seen: dict[str, int] = {}
+        # Which sends of schedules that also have an interval are their cron's.
+        self._cron_paths = CronPaths(_REMEMBERED)
         # Schedules said to be sent without a tick lock (said once each).
         self._unlocked: set[tuple[str, str]] = set()
 
@@ -163,8 +162,9 @@ class DeduplicatedScheduleSource(ScheduleSource):
                 be reached and ``fail_open`` is off.
         """
         started = asyncio.get_running_loop().time()
+        now = datetime.now(timezone.utc)  # as near as can be to when taskiq's loop found it due
         await _maybe_await(self.source.pre_send(task))
-        tick_lock = await self._take(task, started)
+        tick_lock = await self._take(task, started, now)
         send = _Send(tick_lock)
         _TAKEN.set(send)
         if _IN_SCHEDULER.get():
@@ -197,21 +197,9 @@ class DeduplicatedScheduleSource(ScheduleSource):
         prefix = self.middleware.key_prefix
         if task.cron is None or task.interval is None:
             return tick_of(prefix, task, now)
-        # Both a cron and an interval: taskiq's loop sends the cron's tick the
-        # first time it looks in a minute where the cron is due, and the
-        # interval's ticks otherwise.
-        minute = cron_minute(task, now)
-        if minute is None:
-            return tick_of(prefix, task, now, by_cron=False)
-        tick = tick_of(prefix, task, now, by_cron=True)
-        if tick.key in self._cron_seen:
-            return tick_of(prefix, task, now, by_cron=False)
-        if len(self._cron_seen) >= _REMEMBERED:
-            self._cron_seen = {k: m for k, m in self._cron_seen.items() if m >= minute - 1}
-            while len(self._cron_seen) >= _REMEMBERED:
-                del self._cron_seen[next(iter(self._cron_seen))]
-        self._cron_seen[tick.key] = minute
-        return tick
+        # Both a cron and an interval: the path this process's taskiq loop sent
+        # it on, replayed (see CronPaths for the rule).
+        return tick_of(prefix, task, now, by_cron=self._cron_paths.by_cron(task, now))
 
     def _remember(self, key: str, value: str, started: float) -> None:
         """Remember the interval tick lock this source took (a bounded map, oldest out)."""
@@ -220,11 +208,11 @@ class DeduplicatedScheduleSource(ScheduleSource):
             del self._own[next(iter(self._own))]
         self._own[key] = (value, started)
 
-    async def _take(self, task: ScheduledTask, started: float) -> Lock | None:
-        """Take the lock of ``task``'s tick due now; ``None`` when sent without one."""
+    async def _take(self, task: ScheduledTask, started: float, now: datetime) -> Lock | None:
+        """Take the lock of ``task``'s tick due at ``now``; ``None`` when sent without one."""
         name, schedule = task.task_name, task.schedule_id
         try:
-            tick = self._tick(task, datetime.now(timezone.utc))
+            tick = self._tick(task, now)
         except TypeError:
             said = (name, schedule)
             if said not in self._unlocked:
