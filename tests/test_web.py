@@ -23,7 +23,7 @@ import httpx
 import pytest
 from fastapi import Depends, FastAPI
 from starlette.exceptions import HTTPException
-from taskiq import AsyncTaskiqTask
+from taskiq import AsyncTaskiqTask, InMemoryBroker
 
 from taskiq_deduplication import InvalidArgumentError, RedisDeduplicationMiddleware
 from taskiq_deduplication.cli import ExitCode
@@ -599,6 +599,44 @@ async def test_taskiq_dedup_web_serves_the_page_until_stopped(
         assert keyed.status_code == 404
     assert f"serving the locks under {prefix} at http://127.0.0.1:{port}/" in err.decode()
     assert served.returncode == ExitCode.INTERRUPTED  # Ctrl-C, after a graceful shutdown
+
+
+async def test_served_from_an_apps_middleware_it_closes_that_redis_client_at_shutdown(
+    redis_url: str, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    import uvicorn  # noqa: PLC0415 (only this test serves in process)
+
+    name = f"locks-page-{uuid.uuid4().hex[:12]}"
+    joined = "&" if "?" in redis_url else "?"
+    middleware = RedisDeduplicationMiddleware(
+        redis_url=f"{redis_url}{joined}client_name={name}", key_prefix=prefix
+    )
+    InMemoryBroker().with_middlewares(middleware)  # the app's, never started here
+
+    async def connections() -> int:
+        return sum(1 for client in await redis_client.client_list() if client["name"] == name)
+
+    # Served as `taskiq dedup web --app` serves it: uvicorn, in this event loop.
+    config = uvicorn.Config(locks_app(middleware), host="127.0.0.1", port=0, log_level="warning")
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    try:
+        for _ in range(300):
+            if server.started:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail("the server did not start within 15 s")
+        port = server.servers[0].sockets[0].getsockname()[1]
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as browser:
+            answer = await browser.get("/api/locks")
+        while_serving = await connections()
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, 15)
+    assert answer.status_code == 200
+    assert while_serving >= 1
+    assert await connections() == 0  # closed by the app's shutdown, the loop still running
 
 
 async def test_taskiq_dedup_web_says_what_it_lacks_before_serving() -> None:

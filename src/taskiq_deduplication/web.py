@@ -42,6 +42,7 @@ except ImportError as exc:  # pragma: no cover (the extra is installed wherever 
 from redis.exceptions import RedisError
 
 from taskiq_deduplication import _web_pages as pages
+from taskiq_deduplication._loops import states_of
 from taskiq_deduplication.exceptions import DeduplicationError, InvalidArgumentError
 from taskiq_deduplication.locks import DEFAULT_PREFIX, LockInfo, Locks
 from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
@@ -89,6 +90,11 @@ def locks_app(
 ) -> Starlette:
     """The locks page: an ASGI app to mount in yours, or to serve alone.
 
+    Served alone, its shutdown closes the Redis client it made: a URL's, or the
+    one a middleware made for its pages in the server's event loop (as
+    ``taskiq dedup web --app`` serves it). Mounted in your app, your app's
+    shutdown of its broker closes the middleware's.
+
     Args:
         source: A middleware (its Redis, its ``key_prefix``, and the key a call
             of its broker's tasks would take), a [Locks][taskiq_deduplication.Locks],
@@ -131,9 +137,15 @@ def locks_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        # A middleware's client in this loop is made by the first page served
+        # (``taskiq dedup web --app``), unless its app used it here before.
+        states = None if middleware is None else states_of(middleware)
+        made_here = states is not None and states.get() is None
         yield
         if isinstance(source, str):
             await locks.aclose()  # the client made here; one given is its owner's
+        elif middleware is not None and made_here:
+            await middleware.shutdown()  # closes what the pages opened, in this loop only
 
     return Starlette(
         routes=[
