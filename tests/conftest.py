@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, cast, overload
 
@@ -250,7 +250,7 @@ def primary_client(watched: Sentinels, *, socket_timeout: float = 0.5) -> redis.
     ``socket_timeout`` is also the middleware's budget for a lock call, from
     the moment it is made (see ``docs/reliability.md``).
     """
-    sentinel = Sentinel(watched.addresses, socket_timeout=0.5)  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(watched.addresses, socket_timeout=0.5)  # type: ignore[no-untyped-call,unused-ignore]
     client: redis.asyncio.Redis = sentinel.master_for(
         watched.service,
         socket_timeout=socket_timeout,
@@ -423,6 +423,7 @@ def retry_and_dedup(
 
 
 BrokerT = TypeVar("BrokerT", bound=InMemoryBroker)
+_Key = TypeVar("_Key", bound=str | bytes)
 
 
 class BrokerFactory(Protocol):
@@ -505,6 +506,16 @@ async def queued_job(make_broker: BrokerFactory) -> tuple[HoldingBroker, Any]:
     async def job() -> None: ...
 
     return broker, broker.register_task(job)
+
+
+def without_done(keys: Iterable[_Key]) -> list[_Key]:
+    """``keys`` less the calls remembered for copies of their messages (``<prefix>#done:*``).
+
+    A run that succeeds leaves one, which expires with the redelivery window:
+    the one thing a run leaves behind on purpose (`test_runs_once.py` checks it).
+    """
+    mark = "#done:"
+    return [key for key in keys if mark not in (key.decode() if isinstance(key, bytes) else key)]
 
 
 async def lock_keys(client: redis.asyncio.Redis, prefix: str) -> list[str]:

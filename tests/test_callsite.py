@@ -48,6 +48,7 @@ from tests.conftest import (
     queued_job,
     running_beats,
     wait_until,
+    without_done,
 )
 from tests.test_redis_trouble import FAST
 
@@ -216,7 +217,7 @@ async def test_twenty_merges_into_one_queued_copy_run_once_with_the_last_argumen
     await broker.deliver()
     assert ran == [(7, ["f20"])]
     assert (await handles[-1].wait_result(timeout=5)).return_value == "f20"
-    assert [key async for key in redis_client.scan_iter(match=f"{prefix}[:#]*")] == []
+    assert without_done([key async for key in redis_client.scan_iter(match=f"{prefix}[:#]*")]) == []
 
 
 async def test_once_the_holder_runs_a_call_is_handled_as_its_policy_says(
@@ -305,7 +306,7 @@ async def test_merges_under_retries_run_the_latest_arguments_and_free_the_lock(
     assert runs == [(first.task_id, 2), (first.task_id, 3), (first.task_id, 4)]
     assert (await first.wait_result(timeout=5)).return_value == 4
     await dedup.shutdown()
-    assert [key async for key in redis_client.scan_iter(match=f"{prefix}[:#]*")] == []
+    assert without_done([key async for key in redis_client.scan_iter(match=f"{prefix}[:#]*")]) == []
 
 
 @all_topologies(hash_tag=True)
@@ -754,7 +755,10 @@ async def test_a_call_merges_only_into_a_message_a_broker_accepted(
     else:
         with pytest.raises(SendTaskError):
             await first
-        assert [key async for key in redis_client.scan_iter(match=f"{prefix}[:#]*")] == []
+        assert (
+            without_done([key async for key in redis_client.scan_iter(match=f"{prefix}[:#]*")])
+            == []
+        )
         # Its lock and its arguments went at once: the next call is sent, not joined.
         broker.refuse = False
         handle = await kiq_or_join(sync_profile, user=1, name="retry")
@@ -788,7 +792,7 @@ async def test_tasks_sharing_a_key_never_merge_into_each_other(
     assert (await refusal(lambda: export.kiq(2))).merged  # its own task still merges
     await broker.deliver()
     assert ran == [("export", 2)]
-    assert [key async for key in redis_client.scan_iter(match=f"{prefix}[:#]*")] == []
+    assert without_done([key async for key in redis_client.scan_iter(match=f"{prefix}[:#]*")]) == []
 
 
 @pytest.mark.parametrize("retry_class", [SimpleRetryMiddleware, SmartRetryMiddleware])

@@ -15,7 +15,14 @@ from typing import Any
 
 import pytest
 import redis.asyncio
-from taskiq import InMemoryBroker, SimpleRetryMiddleware, SmartRetryMiddleware, TaskiqMiddleware
+from taskiq import (
+    BrokerMessage,
+    InMemoryBroker,
+    SimpleRetryMiddleware,
+    SmartRetryMiddleware,
+    TaskiqMiddleware,
+)
+from taskiq.exceptions import SendTaskError
 
 from taskiq_deduplication import DuplicateTaskError, LockEventKind
 from taskiq_deduplication._formats import holder_task_id
@@ -29,6 +36,7 @@ from tests.conftest import (
     lock_value,
     queued_job,
     running_beats,
+    without_done,
 )
 
 
@@ -132,7 +140,7 @@ async def test_a_run_alone_leaves_nothing_when_it_succeeds(
 
     await job.kiq()
     await broker.deliver()
-    assert await redis_client.keys(f"{prefix}*") == []
+    assert without_done(await redis_client.keys(f"{prefix}*")) == []
     await job.kiq()  # accepted at once
 
 
@@ -271,7 +279,7 @@ async def test_a_call_queued_under_started_runs_after_the_run_that_goes_on(
     await released(release, first, second)
     assert len(runs.spans) == 2
     assert runs.overlaps() == (0 if exclusive else 1)
-    assert await redis_client.keys(f"{prefix}*") == []
+    assert without_done(await redis_client.keys(f"{prefix}*")) == []
 
 
 async def test_a_call_accepted_after_an_expired_window_waits_for_the_last_run(
@@ -295,7 +303,7 @@ async def test_a_call_accepted_after_an_expired_window_waits_for_the_last_run(
     assert len(runs.spans) == 2
     assert runs.overlaps() == 0
     await asyncio.sleep(1.1)
-    assert await redis_client.keys(f"{prefix}*") == []
+    assert without_done(await redis_client.keys(f"{prefix}*")) == []
 
 
 @pytest.mark.parametrize("policy", ["finished", "started", "expired"])
@@ -331,7 +339,7 @@ async def test_a_retry_never_waits_for_the_attempt_it_continues(
     assert runs.overlaps() == 0
     await dedup.shutdown()
     if policy != "expired":
-        assert await redis_client.keys(f"{prefix}*") == []
+        assert without_done(await redis_client.keys(f"{prefix}*")) == []
 
 
 async def test_a_copy_of_an_attempt_that_a_retry_carries_on_is_not_run(
@@ -357,7 +365,7 @@ async def test_a_copy_of_an_attempt_that_a_retry_carries_on_is_not_run(
     assert [e.kind for e in events][-1] is LockEventKind.SKIPPED
     await broker.deliver()  # the retry
     assert bodies == ["ran", "ran"]
-    assert await redis_client.keys(f"{prefix}*") == []
+    assert without_done(await redis_client.keys(f"{prefix}*")) == []
 
 
 @all_topologies(hash_tag=True)
@@ -392,7 +400,7 @@ async def test_one_running_and_one_queued_with_the_latest_arguments(
     await released(release, first, second)
     assert ran == [1, 5]
     assert runs.overlaps() == 0
-    assert await redis_client.keys(f"{prefix}*") == []
+    assert without_done(await redis_client.keys(f"{prefix}*")) == []
 
 
 @pytest.mark.parametrize("value", ["maybe", 2, "[]"])
@@ -457,4 +465,47 @@ async def test_a_retry_sent_without_a_lock_still_never_runs_beside_its_key(
     await asyncio.wait_for(asyncio.gather(broker.deliver_one(), broker.deliver_one()), 10)
     assert len(runs.spans) == 3
     assert runs.overlaps() == 0
-    assert await redis_client.keys(f"{prefix}*") == []
+    assert without_done(await redis_client.keys(f"{prefix}*")) == []
+
+
+class RefusingRetries(HoldingBroker):
+    """Keeps the first send of each task_id and refuses a second (a retry): the broker is down."""
+
+    async def kick(self, message: BrokerMessage) -> None:
+        if message.task_id in {queued.task_id for queued in self.sent}:
+            msg = "the broker is down"
+            raise ConnectionError(msg)
+        self.sent.append(message)
+        await super().kick(message)
+
+    def __init__(self, await_inplace: bool = False) -> None:
+        super().__init__(await_inplace=await_inplace)
+        self.sent: list[BrokerMessage] = []
+
+
+@pytest.mark.parametrize("until", ["finished", "started"])
+async def test_a_copy_of_an_attempt_whose_retry_the_broker_refused_runs(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str, until: str
+) -> None:
+    """Review of issue 30: the refused retry had been handed the run, so the copy was skipped."""
+    broker = await make_broker(broker_class=RefusingRetries, retries=3)
+    bodies: list[str] = []
+
+    @broker.task(retry_on_error=True, deduplication_until=until)
+    async def flaky() -> None:
+        bodies.append("ran")
+        if len(bodies) == 1:
+            msg = "the first attempt fails"
+            raise RuntimeError(msg)
+
+    await flaky.kiq()
+    (attempt,) = broker.queued
+    # The attempt fails, and the broker refuses its retry: taskiq's retry
+    # middleware raises from on_error, so this delivery is never acknowledged.
+    with pytest.raises(SendTaskError):
+        await broker.deliver_one()
+    assert broker.queued == []
+    await deliver_copy(broker, attempt)  # so the broker delivers the attempt again
+    assert bodies == ["ran", "ran"]  # the call is not lost
+    assert await lock_keys(redis_client, prefix) == []
+    assert without_done(await redis_client.keys(f"{prefix}*")) == []

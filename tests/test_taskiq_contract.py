@@ -10,6 +10,7 @@ upgrade, fix the library (or the declared taskiq range) before anything else.
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -461,7 +462,7 @@ def test_a_broker_lists_its_tasks_with_the_labels_they_were_declared_with() -> N
 async def test_arguments_that_raise_no_result_error_when_unpacked_end_the_run_unrun(
     retry_class: type[TaskiqMiddleware], sync: bool
 ) -> None:
-    """An exclusive run's copy that must not run (`_execution.NotRun`) relies on this.
+    """The fallback of a copy that must not run (`_copies.NotRun`) relies on this.
 
     taskiq unpacks the positional arguments inside the guard that turns a
     ``NoResultError`` into a run that sets no result (and whose message is
@@ -510,5 +511,86 @@ async def test_arguments_that_raise_no_result_error_when_unpacked_end_the_run_un
         assert bodies == [], "the body ran although its arguments raised NoResultError"
         assert not await broker.result_backend.is_result_ready("t1"), "a result was set"
         assert acked == [True], "the message was not acknowledged"
+    finally:
+        await broker.shutdown()
+
+
+@pytest.mark.parametrize("retry_class", RETRY_CLASSES)
+@pytest.mark.parametrize("sync", [False, True])
+async def test_the_receiver_finds_the_task_before_pre_execute_and_calls_it_after(
+    retry_class: type[TaskiqMiddleware], sync: bool
+) -> None:
+    """A copy that must not run (`_copies.watch_deliveries`) relies on this.
+
+    taskiq's receiver looks a delivery's task up with ``broker.find_task``, in
+    the asyncio task of the delivery, before the ``pre_execute`` hooks, and
+    reads the function to call from what it found after them: a middleware
+    that gives its delivery's copy of the task another function gets a run
+    that returns, as any other, with no ``on_error``, no retry, a stored result
+    and an acknowledgement, and the task itself is left as it was.
+    """
+    found: list[tuple[asyncio.Task[Any] | None, Any]] = []
+
+    class Skip(TaskiqMiddleware):
+        def pre_execute(self, message: TaskiqMessage) -> TaskiqMessage:
+            (current, task), *_ = found
+            assert current is asyncio.current_task(), "find_task ran in another asyncio task"
+
+            async def instead(*_args: object, **_kwargs: object) -> str:
+                return "not run"
+
+            task.original_func = instead
+            return message
+
+        def on_error(self, *_: object) -> None:
+            errors.append("on_error")
+
+    errors: list[str] = []
+    broker = InMemoryBroker().with_middlewares(Skip(), _retry(retry_class))
+    find = broker.find_task
+
+    def find_task(name: str) -> Any:
+        task = find(name)
+        if not found:
+            found.append((asyncio.current_task(), copy.copy(task)))
+        return found[0][1]
+
+    broker.find_task = find_task  # type: ignore[method-assign,assignment]
+    bodies: list[int] = []
+
+    if sync:
+
+        @broker.task(retry_on_error=True)
+        def body(n: int) -> int:
+            bodies.append(n)
+            return n
+
+    else:
+
+        @broker.task(retry_on_error=True)
+        async def body(n: int) -> int:
+            bodies.append(n)
+            return n
+
+    original = body.original_func
+    acked: list[bool] = []
+
+    async def ack() -> None:
+        acked.append(True)
+
+    message = broker.formatter.dumps(
+        TaskiqMessage(task_id="t1", task_name=body.task_name, labels={}, args=["5"], kwargs={})
+    ).message
+    await broker.startup()
+    try:
+        await broker.receiver.callback(message=AckableMessage(data=message, ack=ack))
+        await drain(broker)
+        assert found, "the receiver no longer looks the task up with broker.find_task"
+        assert bodies == [], "the receiver called a function it looked up before pre_execute"
+        assert errors == [], "a run that returned was reported as an error"
+        result = await broker.result_backend.get_result("t1")
+        assert (result.is_err, result.return_value) == (False, "not run")
+        assert acked == [True], "the message was not acknowledged"
+        assert body.original_func is original, "the registered task was changed"
     finally:
         await broker.shutdown()

@@ -13,7 +13,8 @@ from taskiq_deduplication import RedisDeduplicationMiddleware
 REDIS_URL = os.environ.get("REDIS_URL", "redis://localhost:6379")
 PREFIX = f"myapp-{uuid.uuid4().hex[:8]}"
 broker = InMemoryBroker().with_middlewares(
-    RedisDeduplicationMiddleware(REDIS_URL, key_prefix=PREFIX, default_ttl=300),
+    # Without the heartbeat, the TTL is all that keeps a lock while its task runs.
+    RedisDeduplicationMiddleware(REDIS_URL, key_prefix=PREFIX, default_ttl=300, heartbeat=False),
 )
 
 

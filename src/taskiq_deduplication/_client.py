@@ -105,7 +105,7 @@ def _sentinel_client(url: str) -> Redis:
             raise InvalidSettingError(msg)
         addresses.append((host, int(port) if port else _SENTINEL_PORT))
     user, _, password = credentials.partition(":")
-    sentinels = Sentinel(addresses, socket_timeout=_TIMEOUT)  # type: ignore[no-untyped-call]
+    sentinels = Sentinel(addresses, socket_timeout=_TIMEOUT)  # type: ignore[no-untyped-call,unused-ignore]
     primary: Redis = sentinels.master_for(
         unquote(path[0]),
         db=int(path[1]) if len(path) == 2 else 0,  # noqa: PLR2004

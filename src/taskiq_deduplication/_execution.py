@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from taskiq_deduplication._heartbeat import Beat
     from taskiq_deduplication._loops import LoopState
     from taskiq_deduplication._policies import Policy
-    from taskiq_deduplication._store import Lock
+    from taskiq_deduplication._store import Done, Lock
 
 # taskiq's own labels, counted up on the running message by Context.requeue()
 # and by the retry middlewares when they send the next attempt.
@@ -73,8 +73,16 @@ class Execution:
     skipped: bool = False
     """Whether the run was not to run: a copy of a run that succeeded, or of an
     attempt that a retry carries on."""
+    done: Done | None = None
+    """Where the run's call is remembered once it succeeds, for copies of its message."""
+    keeps_stored_result: bool = False
+    """Whether a run that did not run its body leaves the stored result as it is
+    (the attempt's retry will store one, or the copy stored one itself)."""
     ended: bool = False
     resent: Resent | None = None
+    handed_to: Lock | None = None
+    """The run slot beside the lock as this run handed it to its retry, until
+    the broker took the retry (a refused retry gives it up)."""
     task: asyncio.Task[Any] | None = field(default=None, repr=False)
     """The asyncio task the run began in."""
     context: Any = field(default=None, repr=False)
@@ -184,21 +192,6 @@ def _current_task() -> asyncio.Task[Any]:
         msg = "taskiq hooks run inside an asyncio task"
         raise RuntimeError(msg)
     return task
-
-
-class NotRun(list[Any]):
-    """The positional arguments of a run that must not run its body.
-
-    taskiq unpacks a task's positional arguments inside the guard that turns a
-    ``NoResultError`` into a run that sets no result, is acknowledged, and that
-    the retry middlewares leave alone (`tests/test_taskiq_contract.py` pins
-    it); unpacking these raises it, before the body is called. Reading them by
-    index, as taskiq's parameter parsing does, works as on the original list.
-    """
-
-    def __iter__(self) -> Any:  # noqa: ANN401 (never returns)
-        """Refuse to be unpacked: the body must not run."""
-        raise NoResultError
 
 
 #: The runs each middleware follows, for a task's `TaskLock` to find its own

@@ -39,6 +39,10 @@ task from its own queued lock. ``" +"`` follows once such a copy waits; a run
 that succeeded leaves ``"=<...> <task_id>"`` for as long as its success is
 remembered (or briefly, for the copies that waited).
 
+A call whose run succeeded is remembered under ``<key_prefix>#done:<task_id>``
+(`done_key`) for the redelivery window, so that a copy of its message that the
+broker delivers again does not run.
+
 A scheduler marks each tick of a schedule it sends with a tick lock,
 ``<key_prefix>#tick:<identity>``, valued like a lock: ``"<owner token>
 <replica>"``, where the replica is ``<host>/<pid>`` of the scheduler that took
@@ -61,6 +65,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import unquote
+
+from redis.crc import key_slot
 
 from taskiq_deduplication._policies import FINISHED
 
@@ -86,6 +92,9 @@ LOCK_FENCE_LABEL: Final = "_deduplication_lock_fence"
 LOCK_MERGE_LABEL: Final = "_deduplication_lock_merge"
 # Written only for a lock whose runs may overlap ("0"): runs are exclusive by default.
 LOCK_EXCLUSIVE_LABEL: Final = "_deduplication_lock_exclusive"
+# Written only on a retry: the owner token of the call's first send, which every
+# attempt of the call, and every copy of each, shares (see `done_key`).
+LOCK_FIRST_LABEL: Final = "_deduplication_lock_first"
 LOCK_LABELS: Final = (
     LOCK_KEY_LABEL,
     LOCK_OWNER_LABEL,
@@ -95,6 +104,7 @@ LOCK_LABELS: Final = (
     LOCK_FENCE_LABEL,
     LOCK_MERGE_LABEL,
     LOCK_EXCLUSIVE_LABEL,
+    LOCK_FIRST_LABEL,
 )
 #: Between the key prefix and the name of a key beside the locks (merge, fence).
 SIDE_SEPARATOR: Final = "#"
@@ -194,6 +204,33 @@ def fence_key(prefix: str) -> str:
 def tick_key(prefix: str, identity: str) -> str:
     """The tick lock of one tick of a schedule, ``<prefix>#tick:<identity>``."""
     return f"{prefix}{SIDE_SEPARATOR}tick{KEY_SEPARATOR}{identity}"
+
+
+def done_key(prefix: str, lock: str, task_id: str, *, cluster: bool) -> str | None:
+    """Where a call's success is remembered for copies of its message: ``<prefix>#done:...``.
+
+    A run that succeeds writes it (for ``redelivery_window`` seconds), holding
+    the owner token of the call's first send; a run that begins and finds its
+    own call's token there is a copy the broker delivered again, and does not
+    run. Keyed by the task_id, not the lock: a new call with the same
+    arguments has a task_id of its own and runs as soon as the lock is free.
+    A send that merely reuses a task_id (``with_task_id``) has a token of its
+    own, and runs too.
+
+    On a cluster, the key must share the lock's slot (the scripts read both):
+    under a prefix with a hash tag it does as it is; under one without, it
+    carries the lock key as its hash tag, ``<prefix>#done:{<lock>}<task_id>``.
+    ``None`` where neither shares the lock's slot (a lock key with a stray
+    brace in it, under a prefix without a tag): copies of its runs are not told.
+    """
+    head = f"{prefix}{SIDE_SEPARATOR}done{KEY_SEPARATOR}"
+    if not cluster:
+        return head + task_id
+    slot = key_slot(lock.encode())
+    for key in (head + task_id, f"{head}{{{lock}}}{task_id}"):
+        if key_slot(key.encode()) == slot:
+            return key
+    return None
 
 
 def run_key(prefix: str, lock: str) -> str | None:
@@ -379,6 +416,13 @@ class RecordedLock:
     wait of its debounce, in milliseconds (0 and 0: a plain merge)."""
     exclusive: bool = True
     """Whether a run waits for another run of the same lock key to end."""
+    first: str | None = None
+    """The owner token of the call's first send, on a retry (whose own token differs)."""
+
+    @property
+    def call(self) -> str:
+        """The token that names the call, across its retries and copies: the first send's."""
+        return self.first or self.token
 
 
 def read_lock_labels(labels: Mapping[str, Any], task_id: str) -> RecordedLock | None:
@@ -410,6 +454,7 @@ def read_lock_labels(labels: Mapping[str, Any], task_id: str) -> RecordedLock | 
     if not isinstance(until, str) or success_ttl is None:
         return None
     fence = _seconds(labels.get(LOCK_FENCE_LABEL), minimum=1)
+    first = labels.get(LOCK_FIRST_LABEL)
     return RecordedLock(
         key,
         token,
@@ -419,6 +464,7 @@ def read_lock_labels(labels: Mapping[str, Any], task_id: str) -> RecordedLock | 
         fence,
         _merge(labels.get(LOCK_MERGE_LABEL)),
         exclusive=labels.get(LOCK_EXCLUSIVE_LABEL) not in {"0", 0},
+        first=first if isinstance(first, str) and first and " " not in first else None,
     )
 
 
@@ -447,6 +493,10 @@ def write_lock_labels(labels: dict[str, Any], lock: RecordedLock, task_id: str) 
         labels[LOCK_EXCLUSIVE_LABEL] = "0"
     else:
         labels.pop(LOCK_EXCLUSIVE_LABEL, None)
+    if lock.first is not None and lock.first != lock.token:
+        labels[LOCK_FIRST_LABEL] = lock.first
+    else:
+        labels.pop(LOCK_FIRST_LABEL, None)
 
 
 def drop_lock_labels(labels: dict[str, Any]) -> None:

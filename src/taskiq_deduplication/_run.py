@@ -16,13 +16,17 @@ import logging
 from typing import TYPE_CHECKING, Any, Final
 
 from redis.asyncio.cluster import RedisCluster
+from taskiq.exceptions import NoResultError
 
 from taskiq_deduplication import _run_log as say
 from taskiq_deduplication import _settings as settings
-from taskiq_deduplication._execution import Execution, Executions, NotRun, Resent
+from taskiq_deduplication._copies import answer_of_copy, leave_out_body
+from taskiq_deduplication._execution import Execution, Executions, Resent
 from taskiq_deduplication._formats import (
     NO_OWNER,
+    SUCCEEDED_MARK,
     RecordedLock,
+    done_key,
     fence_key,
     merge_key,
     new_run_token,
@@ -31,7 +35,7 @@ from taskiq_deduplication._formats import (
 )
 from taskiq_deduplication._heartbeat import Beat
 from taskiq_deduplication._policies import FINISHED, POLICIES, Step
-from taskiq_deduplication._store import Claimed, Lock
+from taskiq_deduplication._store import Claimed, Done, Lock
 from taskiq_deduplication.events import LockEventKind
 from taskiq_deduplication.exceptions import REDIS_ERRORS
 
@@ -109,6 +113,8 @@ class Runs:
         execution.owned = recorded.token != NO_OWNER
         self._executions.begin(execution)
         run = self._run_slot(execution, recorded, state) if recorded.exclusive else None
+        if run is not None:
+            execution.done = self._done(execution, recorded, state)
         if run is not None or recorded.merge is not None or recorded.fence is not None:
             await self._claim(execution, recorded, message, run)
         elif policy.at_start is Step.REASSERT:
@@ -116,7 +122,7 @@ class Runs:
         else:
             await self._apply(policy.at_start, execution, message)
         if execution.skipped:
-            message.args = NotRun(message.args)
+            leave_out_body(message, answer_of_copy(execution, message, self._options.broker))
             return message
         if self._options.heartbeat and (
             execution.run is not None or (policy.heartbeat and execution.owned)
@@ -138,7 +144,11 @@ class Runs:
         if execution is None:
             return
         self._executions.end(execution)
-        if execution.skipped or execution.resent is Resent.WITH_THE_LOCK:
+        if execution.skipped:
+            if execution.keeps_stored_result and not result.is_err:
+                result.error = NoResultError()  # taskiq then stores nothing over it
+            return
+        if execution.resent is Resent.WITH_THE_LOCK:
             return
         policy = execution.policy
         passed_on = execution.passed_on(message, result)
@@ -247,6 +257,7 @@ class Runs:
                     step=step,
                     debounce=recorded.merge or (0, 0),
                     run=run,
+                    done=execution.done,
                     linger=_linger(execution),
                     **keys,
                 )
@@ -264,8 +275,14 @@ class Runs:
             # Redis answered: a later outage is measured from its own start, or a
             # copy that waited through one short outage would run at the next.
             failing = None
+            if claimed.copy_of_success:
+                execution.skipped = True
+                say.copy_of_success(self._events, execution, message, self._options)
+                return
             if claimed.skipped_for is not None:
                 execution.skipped = True
+                # A copy of an attempt that a retry carries on: the retry stores the result.
+                execution.keeps_stored_result = not claimed.skipped_for.startswith(SUCCEEDED_MARK)
                 say.skipped(self._events, execution, message, claimed.skipped_for)
                 return
             if not claimed.wait_ms:
@@ -340,6 +357,19 @@ class Runs:
             ttl_ms = (self._options.running_ttl or _SLOT_LEASE) * 1000
         return Lock(key, token, lease.task_id, ttl_ms)
 
+    def _done(self, execution: Execution, recorded: RecordedLock, state: LoopState) -> Done | None:
+        """Where an exclusive run's call is remembered once it succeeds (`done_key`)."""
+        window = self._options.redelivery_window
+        if not window:
+            return None
+        key = done_key(
+            self._options.key_prefix,
+            execution.lock.key,
+            execution.lock.task_id,
+            cluster=isinstance(state.client, RedisCluster),
+        )
+        return None if key is None else Done(key, recorded.call, window * 1000)
+
     def _poll(self, execution: Execution, run: Lock | None) -> float:
         """Seconds between two looks of a run that waits for another run of its key."""
         return min(self._interval(execution, run) / 4, _MAX_POLL)
@@ -365,6 +395,7 @@ class Runs:
                 how,
                 remembered,
                 waited_ms=waited,
+                done=execution.done,
                 what=f"free the run slot {run.key!r} of task {message.task_name} "
                 f"({message.task_id}), which expires in {run.ttl_ms // 1000}s",
             )
@@ -375,7 +406,9 @@ class Runs:
                 # The requeued message finds its own lock, for its full TTL.
                 await locks.hand_over(run, execution.lock, linger=linger)
             else:
-                ended = await locks.finish(run, how, remembered, waited_ms=waited, linger=linger)
+                ended = await locks.finish(
+                    run, how, remembered, waited_ms=waited, done=execution.done, linger=linger
+                )
                 if ended and not remembered:
                     self._events.emit(
                         LockEventKind.RELEASED, message.task_name, message.task_id, run.key, None
@@ -404,8 +437,10 @@ class Runs:
         run = running.run
         if run is None or run.key == running.lock.key:
             return
+        handed = Lock(run.key, to.token, to.task_id, to.ttl_ms)
+        running.handed_to = handed
         try:
-            await running.state.locks.hand_over(run, Lock(run.key, to.token, to.task_id, to.ttl_ms))
+            await running.state.locks.hand_over(run, handed)
         except REDIS_ERRORS as exc:
             logger.warning(
                 "Could not hand the run of task %s (%s) in %r to its retry: %s: %s; "
@@ -421,7 +456,7 @@ class Runs:
 
     def _lease(self, message: TaskiqMessage, lock: Lock) -> Lock:
         """The lock as its running task keeps it: on the running lease, if there is one."""
-        seconds = settings.read_running_ttl(message.labels, default=self._options.running_ttl)
+        seconds = settings.read_running_ttl(message.labels, default=self._options.running_lease)
         if seconds is None or seconds * 1000 >= lock.ttl_ms or not self._options.heartbeat:
             return lock
         return Lock(lock.key, lock.token, lock.task_id, seconds * 1000)

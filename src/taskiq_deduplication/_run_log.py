@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from taskiq_deduplication._execution import Execution
     from taskiq_deduplication._formats import RecordedLock
+    from taskiq_deduplication._settings import Options
     from taskiq_deduplication._store import Lock
     from taskiq_deduplication.events import EventSink
 
@@ -95,6 +96,27 @@ def skipped(events: EventSink, execution: Execution, message: TaskiqMessage, slo
         message.task_id,
         execution.lock.key,
         holder_task_id(slot),
+    )
+
+
+def copy_of_success(
+    events: EventSink, execution: Execution, message: TaskiqMessage, options: Options
+) -> None:
+    """Say that a delivery does not run: a run of its call succeeded already."""
+    logger.info(
+        "Task %s (%s) not run: the broker delivered it again after its run succeeded "
+        "(remembered for %ds, the redelivery window; lock %r)",
+        message.task_name,
+        message.task_id,
+        options.redelivery_window,
+        execution.lock.key,
+    )
+    events.emit(
+        LockEventKind.SKIPPED,
+        message.task_name,
+        message.task_id,
+        execution.lock.key,
+        message.task_id,
     )
 
 

@@ -179,6 +179,14 @@ class Sends:
         state = self._states.get()
         if state is None:
             return
+        running = self._executions.current(message.task_id)
+        if running is not None and running.resent is Resent.WITH_THE_LOCK:
+            # A retry of this run that never went out: the run hands nothing on,
+            # or a copy of it would find its call carried on by no one.
+            running.resent = Resent.WITHOUT_A_LOCK
+            if running.handed_to is not None:
+                state.locks.release_detached(running.handed_to)
+                running.handed_to = None
         logger.info(
             "Lock %r of task %s (%s) released: the broker refused the send (%s)",
             send.lock.key,
@@ -461,8 +469,14 @@ class Sends:
         send: settings.SendOptions,
         fence: int | None = None,
     ) -> bool:
-        """Record on ``message`` the lock it is sent with; whether calls merge into it."""
+        """Record on ``message`` the lock it is sent with; whether calls merge into it.
+
+        A retry (a message that carries its attempt's lock already) keeps the
+        token of the call's first send beside its own: a copy of any attempt
+        then finds the call's success, whichever attempt succeeded.
+        """
         merge = send.merge if merge_key(self._options.key_prefix, key) is not None else None
+        attempt = read_lock_labels(message.labels, message.task_id)
         recorded = RecordedLock(
             key,
             token,
@@ -472,6 +486,7 @@ class Sends:
             fence,
             merge,
             exclusive=send.exclusive,
+            first=attempt.call if attempt is not None else None,
         )
         write_lock_labels(message.labels, recorded, message.task_id)
         return merge is not None

@@ -278,9 +278,19 @@ def check_prefix(value: object) -> str:
     return value
 
 
+#: The running lease of a task whose worker has the heartbeat and no
+#: ``running_ttl``: a worker that dies mid-task frees its calls within it.
+DEFAULT_RUNNING_LEASE: Final = 30
+#: ``redelivery_window`` unless set: past every broker's default redelivery
+#: horizon (NATS ``ack_wait`` 30 s, a Streams reclaim after 10 minutes,
+#: RabbitMQ's consumer timeout 30 minutes), with as long again to wait in a queue.
+DEFAULT_REDELIVERY_WINDOW: Final = 3600
+
+
 def check_running_ttl(value: object, heartbeat: bool, interval: float | None) -> int | None:  # noqa: FBT001 (checked options, passed on)
-    if value is None:
-        return None
+    """The ``running_ttl`` option: ``None`` (the default lease), 0 (none) or a lease in seconds."""
+    if value is None or (value == 0 and not isinstance(value, bool)):
+        return None if value is None else 0
     seconds = check_ttl("running_ttl", value)
     if not heartbeat:
         msg = "running_ttl needs the heartbeat: a lease nobody refreshes lapses mid-run"
@@ -292,6 +302,21 @@ def check_running_ttl(value: object, heartbeat: bool, interval: float | None) ->
         )
         raise InvalidSettingError(msg)
     return seconds
+
+
+def default_lease(running_ttl: int | None, heartbeat: bool, interval: float | None) -> int | None:  # noqa: FBT001 (checked options, passed on)
+    """The lease of a run whose label sets none, in seconds (``None``: none; see the option).
+
+    Three ``heartbeat_interval`` where that is longer than the default, so that
+    the interval a user chose is kept; none without the heartbeat to keep it.
+    """
+    if running_ttl is not None:
+        return running_ttl or None
+    if not heartbeat:
+        return None
+    if interval is None:
+        return DEFAULT_RUNNING_LEASE
+    return max(DEFAULT_RUNNING_LEASE, math.ceil(3 * interval))
 
 
 def check_interval(value: object, default_ttl: int) -> float | None:
@@ -348,7 +373,15 @@ class Options(Protocol):
 
     @property
     def running_ttl(self) -> int | None:
-        """The running lease in seconds, if set."""
+        """The running lease in seconds, if the ``running_ttl`` option sets one."""
+
+    @property
+    def running_lease(self) -> int | None:
+        """The running lease in seconds of a task whose label sets none (`default_lease`)."""
+
+    @property
+    def redelivery_window(self) -> int:
+        """Seconds a call that succeeded is remembered for copies of its message (0: not)."""
 
     @property
     def broker(self) -> AsyncBroker:

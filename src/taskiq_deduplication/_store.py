@@ -90,6 +90,9 @@ class Claimed:
     skipped_for: str | None = None
     """The value of the run slot that says this delivery must not run: its run
     succeeded, or a retry took its lock over."""
+    copy_of_success: bool = False
+    """Whether this delivery must not run because it is a copy of a call whose
+    run succeeded, remembered for the redelivery window (its done key)."""
     outcome: int | str = 1
     """`Reasserted.REFRESHED`, `Reasserted.TAKEN_BACK`, or another holder's value."""
     fence: int | None = None
@@ -104,6 +107,21 @@ _BEGUN: Final = Claimed()
 # The first element of claim.lua's reply besides an outcome or a debounce's wait.
 _WAIT_FOR_RUN: Final = 3
 _SKIP: Final = 4
+_COPY_OF_SUCCESS: Final = 5
+#: What a claim finds for a copy of a call that succeeded.
+_NOT_AGAIN: Final = Claimed(copy_of_success=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """Where a run's call is remembered once it succeeded, and for how long."""
+
+    key: str
+    """The call's done key (`done_key`)."""
+    call: str
+    """The token of the call's first send: what a copy of its message carries."""
+    ttl_ms: int
+    """The redelivery window."""
 
 
 class Reasserted:
@@ -249,6 +267,7 @@ class LockStore:
         debounce: tuple[int, int] = (0, 0),
         fence_key: str | None = None,
         run: Lock | None = None,
+        done: Done | None = None,
         linger: float = 0.0,
     ) -> Claimed:
         """Begin the run of ``lock``'s task: wait for another run, wait out a debounce, claim.
@@ -262,6 +281,8 @@ class LockStore:
             fence_key: The fence counter, for a lock that has a fence.
             run: For an exclusive run, its run slot: the key (the lock's own
                 for the ``"finished"`` policy) and the run token.
+            done: Where the run's call is remembered once it succeeded: a
+                copy of a call found there does not run.
             linger: Seconds the call may wait to share a round trip.
         """
         keys = [
@@ -269,6 +290,7 @@ class LockStore:
             merge_key or lock.key,
             fence_key or lock.key,
             run.key if run is not None else lock.key,
+            done.key if done is not None else lock.key,
         ]
         args: list[str | int] = [
             lock.value,
@@ -279,10 +301,13 @@ class LockStore:
             int(fence_key is not None),
             run.token if run is not None else "",
             run.ttl_ms if run is not None else 0,
+            done.call if done is not None else "",
         ]
         reply = await self._pipeline.call(self._claim, keys, args, linger=linger)
         if reply == 1:  # the run begins, its lock refreshed (most runs): {1, 0, ""}
             return _BEGUN
+        if reply[0] == _COPY_OF_SUCCESS:
+            return _NOT_AGAIN
         if reply[0] == 0:
             return Claimed(wait_ms=max(int(reply[1]), 1))
         if reply[0] == _WAIT_FOR_RUN:
@@ -296,8 +321,15 @@ class LockStore:
             arguments=(arguments.encode() if isinstance(arguments, str) else arguments) or None,
         )
 
-    async def finish(
-        self, run: Lock, how: str, ms: int = 0, *, waited_ms: int = 0, linger: float = 0.0
+    async def finish(  # noqa: PLR0913 (the script's arguments, each named)
+        self,
+        run: Lock,
+        how: str,
+        ms: int = 0,
+        *,
+        waited_ms: int = 0,
+        done: Done | None = None,
+        linger: float = 0.0,
     ) -> bool:
         """End the exclusive run that holds the run slot ``run``; return whether it still did.
 
@@ -310,13 +342,22 @@ class LockStore:
                 under the run (a Redis restart), unless another run holds it.
             ms: See ``how``.
             waited_ms: See ``how``.
+            done: Where a success is remembered for copies of the run's call
+                (whatever became of the slot), for its redelivery window.
             linger: Seconds the call may wait to share a round trip.
         """
-        args = _finish_args(run, how, ms, waited_ms)
-        return bool(await self._pipeline.call(self._finish, [run.key], args, linger=linger))
+        keys, args = _finish_call(run, how, ms, waited_ms, done)
+        return bool(await self._pipeline.call(self._finish, keys, args, linger=linger))
 
-    async def finish_detached(
-        self, run: Lock, how: str, ms: int = 0, *, waited_ms: int = 0, what: str
+    async def finish_detached(  # noqa: PLR0913 (the script's arguments, each named)
+        self,
+        run: Lock,
+        how: str,
+        ms: int = 0,
+        *,
+        waited_ms: int = 0,
+        done: Done | None = None,
+        what: str,
     ) -> None:
         """`finish`, without waiting for the reply; a failure is logged as ``what``.
 
@@ -325,8 +366,8 @@ class LockStore:
         later call of this process (a next run's claim) comes after it. It is
         on its way when this returns (when the pipeline is idle).
         """
-        args = _finish_args(run, how, ms, waited_ms)
-        await self._pipeline.send_ahead(self._finish, [run.key], args, what)
+        keys, args = _finish_call(run, how, ms, waited_ms, done)
+        await self._pipeline.send_ahead(self._finish, keys, args, what)
 
     async def hand_over(self, run: Lock, to: Lock, *, linger: float = 0.0) -> bool:
         """Hand the run slot ``run`` to the send ``to`` (a requeued message, a retry).
@@ -451,9 +492,13 @@ class LockStore:
         await self._pipeline.close()
 
 
-def _finish_args(run: Lock, how: str, ms: int, waited_ms: int) -> list[str | int]:
-    """The arguments of ``finish.lua`` that end the run holding ``run`` (see `LockStore.finish`)."""
-    return [run.token, how, ms, waited_ms, run.task_id]
+def _finish_call(
+    run: Lock, how: str, ms: int, waited_ms: int, done: Done | None
+) -> tuple[list[str], list[str | int]]:
+    """The keys and arguments of ``finish.lua`` that end the run holding ``run`` (see `finish`)."""
+    if done is None or how != "succeeded":
+        return [run.key], [run.token, how, ms, waited_ms, run.task_id]
+    return [run.key, done.key], [run.token, how, ms, waited_ms, run.task_id, done.call, done.ttl_ms]
 
 
 def _keys_of(lock: Lock, merge_key: str | None, fence_key: str | None) -> list[str]:

@@ -202,3 +202,15 @@ class UnencodableCallError(DeduplicationError, ValueError):
 
     A ``ValueError``: a task name, key or label value that is not valid text.
     """
+
+
+class ResultLostError(DeduplicationError, RuntimeError):
+    """The call ran and succeeded, but its result was lost before it was stored.
+
+    A worker records a run's success before taskiq stores its result; a worker
+    that dies in between (killed, out of memory) leaves the call succeeded and
+    its result nowhere. The copy of its message that the broker then delivers
+    again is not run a second time: it stores this error as the call's result
+    instead, so that ``wait_result()`` answers rather than waiting for ever.
+    Its message names the task and the ``task_id``.
+    """

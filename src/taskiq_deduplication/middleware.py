@@ -21,6 +21,7 @@ from taskiq import TaskiqMessage, TaskiqMiddleware, TaskiqResult
 from taskiq_deduplication import _settings as settings
 from taskiq_deduplication import _tracing as tracing
 from taskiq_deduplication._client import check_connection, client_from_url
+from taskiq_deduplication._copies import watch_deliveries
 from taskiq_deduplication._execution import Executions, follow_runs
 from taskiq_deduplication._formats import DEFAULT_PREFIX, DEFAULT_UNTIL
 from taskiq_deduplication._loops import LoopStates, register_states
@@ -85,6 +86,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         metrics: bool = True,
         default_exclusive: bool = True,
         record_task_name: bool = False,
+        redelivery_window: int = settings.DEFAULT_REDELIVERY_WINDOW,
     ) -> None:
         """Configure the middleware; nothing connects until the broker starts.
 
@@ -107,10 +109,12 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 go out without one (logged) instead of failing the send.
             running_ttl: A shorter TTL, in seconds, for the lock while its task
                 runs (a running lease): the heartbeat keeps it on this lease,
-                so a worker that crashes frees the lock within it, while a
-                queued task keeps its full TTL. ``None`` (the default) keeps the
-                full TTL throughout. The ``deduplication_running_ttl`` label
-                sets it per task; it needs the heartbeat.
+                so a worker that dies mid-task frees the lock within it, while
+                a queued task keeps its full TTL. ``None`` (the default): 30
+                seconds (three ``heartbeat_interval`` if that is longer), or
+                none without the heartbeat; 0 keeps the full TTL throughout.
+                The ``deduplication_running_ttl`` label sets it per task; it
+                needs the heartbeat.
             default_until: How long a call counts as a duplicate, unless the
                 ``deduplication_until`` label says: ``"finished"`` (the default:
                 while its task is queued or running), ``"started"`` (while it is queued)
@@ -138,6 +142,14 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 the message's owner label): a lock of a 30-character name takes
                 216 bytes instead of 184 on Redis 7 (see
                 [Performance](performance.md)).
+            redelivery_window: Seconds a call whose run succeeded is remembered,
+                so that a copy of its message that the broker delivers again
+                (a lost acknowledgement, a reclaim, ``ack_wait``) does not run:
+                one hour by default, longer than each broker's own redelivery
+                horizon. A new call with the same arguments is not refused by
+                it (that is ``deduplication_success_ttl``). It costs one small
+                key per successful run of an exclusive task, for the window
+                (see [Performance](performance.md)); 0 remembers nothing.
 
         Raises:
             ValueError: An option is missing, of the wrong type or out of range.
@@ -159,6 +171,12 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         self.fail_open = settings.check_bool("fail_open", fail_open)
         self.running_ttl = settings.check_running_ttl(
             running_ttl, self.heartbeat, self.heartbeat_interval
+        )
+        self.running_lease = settings.default_lease(
+            self.running_ttl, self.heartbeat, self.heartbeat_interval
+        )
+        self.redelivery_window = settings.check_int(
+            "redelivery_window", redelivery_window, minimum=0, maximum=10 * 365 * 86400
         )
         policy = settings.check_until(default_until)
         self.default_until = policy.name
@@ -263,6 +281,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             raise InvalidSettingError(msg)
         if current is None:
             _watch_kick(broker, self._sends.refused)
+            watch_deliveries(broker)
         super().set_broker(broker)
 
     async def startup(self) -> None:

@@ -77,7 +77,7 @@ _OPTION_CASES: list[tuple[str, dict[str, Any]]] = [
     ("heartbeat_interval", {"heartbeat_interval": 300}),  # = default_ttl: lapses
     ("heartbeat_interval", {"default_ttl": 10, "heartbeat_interval": 12.5}),
     *_alone("fail_open", "no", 1, None),
-    *_alone("running_ttl", 0, -1, 1.5, "15", True),
+    *_alone("running_ttl", -1, 1.5, "15", True),  # 0: no lease
     ("running_ttl", {"running_ttl": 15, "heartbeat": False}),  # nobody keeps the lease
     ("running_ttl", {"running_ttl": 5, "heartbeat_interval": 5}),  # lapses between beats
 ]

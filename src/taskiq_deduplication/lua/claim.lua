@@ -8,6 +8,8 @@
 -- KEYS[4]  the run slot of an exclusive run: KEYS[1] itself for the "finished"
 --          policy (its lock is its run slot), else the run key beside the lock;
 --          KEYS[1] again for a run that is not exclusive
+-- KEYS[5]  where the success of the message's call is remembered (its done key),
+--          or KEYS[1] again when ARGV[10] is ""
 -- ARGV[1]  the lock's value as it was sent: "<owner token> <task_id>" (a lock
 --          with a record may still have "!" after it: the run begins, so its
 --          send was accepted, and the mark goes)
@@ -19,6 +21,8 @@
 -- ARGV[7]  "1" for a lock with a fence: taking it back draws a new one
 -- ARGV[8]  the run token of an exclusive run ("~..."), or "" for a run that is not
 -- ARGV[9]  the TTL of a run slot beside the lock, in ms (its own lease); "0" else
+-- ARGV[10] the token of the message's call (its first send's), for an exclusive
+--          run whose copies are told of its success; "" else
 --
 -- A run slot holds "<run token> <task_id>" while its run goes on, with " +"
 -- after it once a copy of the same task waits for it; "=<...> <task_id>" once
@@ -33,6 +37,8 @@
 --                           and its merged arguments, were kept alive)
 --   {4, 0, value}           this delivery must not run: a run of its task
 --                           succeeded ("=...") or a retry took its lock over
+--   {5, 0, ""}              this delivery must not run: it is a copy of a call
+--                           whose run succeeded (its done key names the call)
 --   {outcome, fence, args}  the run begins: outcome 1 (the lock was this send's,
 --                           refreshed or released), 2 (it had vanished and was
 --                           taken back, with a new fence if it has one), or the
@@ -49,6 +55,9 @@ local merging = ARGV[6] == '1'
 local run = ARGV[8]
 local exclusive = run ~= ''
 local task = string.match(value, '^%S+ (%S+)')
+if ARGV[10] ~= '' and redis.call('GET', KEYS[5]) == ARGV[10] then
+  return {5, 0, ''}
+end
 local current = redis.call('GET', KEYS[1])
 if current and current == value .. '!' then
   redis.call('SET', KEYS[1], value, 'KEEPTTL')

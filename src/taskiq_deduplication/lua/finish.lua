@@ -2,6 +2,8 @@
 -- or hand it to the send that carries the run on. Owner-checked by run token.
 --
 -- KEYS[1]  the run slot (the lock itself for the "finished" policy)
+-- KEYS[2]  "succeeded", optional: where the call's success is remembered for
+--          copies of its message (its done key)
 -- ARGV[1]  the run token
 -- ARGV[2]  "succeeded", "failed" or "handed" (to a requeued message or a retry)
 -- ARGV[3]  "succeeded": ms to remember the success (0: not remembered);
@@ -10,11 +12,17 @@
 --          the run (marked " +"), when it is not remembered;
 --          "handed": the TTL of the value handed to, in ms
 -- ARGV[5]  the run's task_id
+-- ARGV[6]  with KEYS[2]: the token of the run's call, to remember there
+-- ARGV[7]  with KEYS[2]: how long to remember it, in ms (the redelivery window)
 --
 -- Returns 1 when the slot was this run's (and was ended), else 0. A success to
 -- remember is remembered even when the slot had vanished under its run (a Redis
 -- restart, a lease that lapsed in an outage), unless another run holds it now:
--- a copy of the run delivered later must still find that it succeeded.
+-- a copy of the run delivered later must still find that it succeeded. The
+-- call's success is remembered in its done key whatever became of the slot.
+if KEYS[2] and ARGV[2] == 'succeeded' then
+  redis.call('SET', KEYS[2], ARGV[6], 'PX', ARGV[7])
+end
 local current = redis.call('GET', KEYS[1])
 local run = ARGV[1]
 if not current then
