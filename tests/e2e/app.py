@@ -96,6 +96,14 @@ EXPIRED_TTL = 4
 CHARGE_SUCCESS_TTL = 60
 #: The name of the task whose delivery :class:`AckWindow` records and whose ack it holds.
 CHARGE_TASK = "e2e.charge"
+#: The tasks of tests/e2e/test_runs_once.py: quick, keyed on ``order``; the first
+#: with the middleware's defaults, the second remembering its success.
+ONCE_TASK = "e2e.once.pay"
+ONCE_REMEMBERED_TASK = "e2e.once.pay_remembered"
+#: Where :class:`CopyMaker` kills the worker process of an ``e2e.once`` task, once
+#: per order: after every middleware's ``post_execute`` (before the result is
+#: saved), or in ``post_save`` (after the result is saved, before the ack).
+CRASH_POINTS = ("", "post_execute", "post_save")
 #: The labels of each lock policy's tasks, by a name of the test's own:
 #: "remembered" is "finished" with a success TTL.
 POLICY_LABELS: dict[str, dict[str, Any]] = {
@@ -138,6 +146,11 @@ class Config:
     """With ``ticks="one-off"``: the time of the one-off, in seconds since the epoch."""
     scheduler_kind: str = "taskiq"
     """What ``taskiq scheduler`` runs: one of :data:`SCHEDULERS`."""
+    crash_at: str = ""
+    """Where :class:`CopyMaker` kills the worker process that runs an ``e2e.once``
+    task, once per order: one of :data:`CRASH_POINTS` ("" registers no CopyMaker)."""
+    later_middleware: bool = False
+    """Whether :class:`LaterMiddleware` is registered after the deduplication middleware."""
 
     def __post_init__(self) -> None:
         """Refuse a setup the app does not know."""
@@ -149,6 +162,9 @@ class Config:
             raise ValueError(msg)
         if self.schedule not in SCHEDULES:
             msg = f"unknown schedule {self.schedule!r}, expected one of {SCHEDULES}"
+            raise ValueError(msg)
+        if self.crash_at not in CRASH_POINTS:
+            msg = f"unknown crash point {self.crash_at!r}, expected one of {CRASH_POINTS}"
             raise ValueError(msg)
         if self.ticks not in TICKS or self.scheduler_kind not in SCHEDULERS:
             msg = f"unknown ticks {self.ticks!r} or scheduler {self.scheduler_kind!r}"
@@ -458,6 +474,129 @@ class AckWindow(TaskiqMiddleware):
         await self.reports.pass_gate(f"ack-{order}")
 
 
+def once_tag(message: TaskiqMessage) -> str | None:
+    """The tag of an ``e2e.once`` task's message (``once-ORDER``); ``None`` for other tasks."""
+    if message.task_name not in {ONCE_TASK, ONCE_REMEMBERED_TASK}:
+        return None
+    return f"once-{message.kwargs.get('order')}"
+
+
+class CopyMaker(TaskiqMiddleware):
+    """Makes the broker deliver an ``e2e.once`` message again: its worker dies once.
+
+    Registered before the deduplication middleware (``config.crash_at`` set), so
+    it sees every delivery first (``pre_execute``, reported to ``delivered``),
+    and every run's end last (``post_execute`` is called in reverse order:
+    reported to ``ended``). Once per tag, the process that runs the task ends
+    with ``os._exit(1)`` where ``config.crash_at`` says: after every
+    middleware's ``post_execute`` and before the result is saved, or after the
+    result is saved (``post_save``) and before the message is acknowledged.
+    The key ``crashed:TAG`` says which process died, running which task_id.
+    """
+
+    def __init__(self, config: Config) -> None:
+        """Report to the test's Redis."""
+        super().__init__()
+        self.reports = Reports(config)
+        self.config = config
+
+    def _report(self, message: TaskiqMessage, **extra: Any) -> str:
+        return json.dumps({"task_id": message.task_id, "pid": os.getpid(), **extra})
+
+    async def pre_execute(self, message: TaskiqMessage) -> TaskiqMessage:
+        """Record a delivery of an ``e2e.once`` task."""
+        tag = once_tag(message)
+        if tag is not None:
+            await self.reports.redis.rpush(self.config.key("delivered", tag), self._report(message))
+        return message
+
+    async def post_execute(self, message: TaskiqMessage, result: TaskiqResult[Any]) -> None:
+        """Record the end of a run; die here once if ``crash_at`` is ``post_execute``."""
+        tag = once_tag(message)
+        if tag is None:
+            return
+        error = type(result.error).__name__ if result.error is not None else None
+        report = self._report(message, is_err=result.is_err, error=error)
+        await self.reports.redis.rpush(self.config.key("ended", tag), report)
+        if self.config.crash_at == "post_execute":
+            await self._crash_once(message, tag)
+
+    async def post_save(self, message: TaskiqMessage, result: TaskiqResult[Any]) -> None:
+        """Die here once if ``crash_at`` is ``post_save``: the result is saved, not acked."""
+        tag = once_tag(message)
+        if tag is not None and self.config.crash_at == "post_save":
+            await self._crash_once(message, tag)
+
+    async def _crash_once(self, message: TaskiqMessage, tag: str) -> None:
+        if await self.reports.redis.set(
+            self.config.key("crashed", tag), self._report(message), nx=True
+        ):
+            os._exit(1)
+
+
+class LaterMiddleware(TaskiqMiddleware):
+    """A middleware registered after deduplication, as a logger or Sentry would be.
+
+    For the ``e2e.once`` tasks: its ``pre_execute`` reads the message's
+    arguments (``list(message.args)``, ``dict(message.kwargs)``) and reports
+    them to ``later-seen:TAG``, or what reading them raised to
+    ``later-errors:TAG`` (and raises it on); its ``on_error`` counts each call
+    in the hash ``on-error:TAG``, by task_id, and reports it to
+    ``on-error-calls:TAG``.
+    """
+
+    def __init__(self, config: Config) -> None:
+        """Report to the test's Redis."""
+        super().__init__()
+        self.reports = Reports(config)
+        self.config = config
+
+    async def pre_execute(self, message: TaskiqMessage) -> TaskiqMessage:
+        """Read the arguments, as a logger would."""
+        tag = once_tag(message)
+        if tag is None:
+            return message
+        try:
+            args, kwargs = list(message.args), dict(message.kwargs)
+        except BaseException as exc:
+            error = {"task_id": message.task_id, "error": repr(exc), "type": type(exc).__name__}
+            await self.reports.redis.rpush(self.config.key("later-errors", tag), json.dumps(error))
+            raise
+        report = {"task_id": message.task_id, "args": args, "kwargs": kwargs}
+        await self.reports.redis.rpush(
+            self.config.key("later-seen", tag), json.dumps(report, default=repr)
+        )
+        return message
+
+    async def on_error(
+        self, message: TaskiqMessage, result: TaskiqResult[Any], exception: BaseException
+    ) -> None:
+        """Count the call, by task_id."""
+        tag = once_tag(message)
+        if tag is None:
+            return
+        await self.reports.redis.hincrby(self.config.key("on-error", tag), message.task_id, 1)
+        report = {"task_id": message.task_id, "error": repr(exception), "pid": os.getpid()}
+        await self.reports.redis.rpush(self.config.key("on-error-calls", tag), json.dumps(report))
+
+
+def register_once_tasks(broker: AsyncBroker, config: Config) -> None:
+    """Register the ``e2e.once`` tasks on ``broker`` (find them by name).
+
+    Each counts its run under ``once-ORDER`` and returns at once: ``pay`` with
+    the middleware's defaults (its lock keyed on the call's fingerprint), and
+    ``pay_remembered`` with ``deduplication_success_ttl=CHARGE_SUCCESS_TTL``.
+    """
+    reports = Reports(config)
+
+    async def pay(order: int, context: Context = TaskiqDepends()) -> dict[str, Any]:
+        run = await reports.started("pay", f"once-{order}", context)
+        return {"order": order, "run": run, "pid": os.getpid()}
+
+    broker.task(ONCE_TASK)(pay)
+    broker.task(ONCE_REMEMBERED_TASK, deduplication_success_ttl=CHARGE_SUCCESS_TTL)(pay)
+
+
 def build_broker(config: Config) -> tuple[AsyncBroker, Tasks]:
     """The broker of ``config`` with its middlewares, result backend and tasks."""
     broker = _make_broker(config).with_result_backend(
@@ -488,8 +627,13 @@ def build_broker(config: Config) -> tuple[AsyncBroker, Tasks]:
         else:
             retry = SimpleRetryMiddleware(default_retry_count=MAX_ATTEMPTS)
         middlewares = [dedup, retry] if position == "first" else [retry, dedup]
-    broker.with_middlewares(AckWindow(config), *middlewares)
+    first: list[TaskiqMiddleware] = [AckWindow(config)]
+    if config.crash_at:
+        first.append(CopyMaker(config))
+    later: list[TaskiqMiddleware] = [LaterMiddleware(config)] if config.later_middleware else []
+    broker.with_middlewares(*first, *middlewares, *later)
     register_callsite_tasks(broker, config)
+    register_once_tasks(broker, config)
     return broker, register_tasks(broker, config)
 
 
