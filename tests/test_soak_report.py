@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("psycopg", reason="the soak's report needs the soak extra (psycopg)")
 pytest.importorskip("taskiq_redis", reason="the soak's report needs the soak extra (taskiq-redis)")
 
-from tests.soak import report
+from tests.soak import app, report
 
 OPTIONS = {"ttl": 15, "socket_timeout": 1.0, "latency_margin": 0.5, "fail_open": ["redis-list"]}
 
@@ -54,6 +54,32 @@ def fault(kind: str, target: str, started: float, ended: float) -> dict[str, Any
     return {"kind": kind, "target": target, "started": started, "ended": ended, "detail": ""}
 
 
+def stored(task_id: str, at: float, error: str | None = None, **extra: Any) -> dict[str, Any]:
+    row = {
+        "task_id": task_id,
+        "broker": "rabbitmq",
+        "pid": 100,
+        "at": at,
+        "is_err": error is not None,
+        "error": error,
+        "body": "{}",
+    }
+    return {**row, **extra}
+
+
+def hook(task_id: str, at: float, error: str, **extra: Any) -> dict[str, Any]:
+    row = {
+        "task_id": task_id,
+        "broker": "rabbitmq",
+        "pid": 100,
+        "at": at,
+        "hook": "on_error",
+        "delivery": None,
+        "error": error,
+    }
+    return {**row, **extra}
+
+
 def verdict(
     kiqs: list[dict[str, Any]],
     runs: list[dict[str, Any]],
@@ -61,9 +87,17 @@ def verdict(
     locks: list[dict[str, Any]] | None = None,
     send_failures: list[dict[str, Any]] | None = None,
     options: dict[str, Any] | None = None,
+    results: list[dict[str, Any]] | None = None,
+    hooks: list[dict[str, Any]] | None = None,
+    procs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    data = {"kiqs": kiqs, "runs": runs, "faults": faults or [], "procs": [], "rss": [], "notes": []}
+    data = {"kiqs": kiqs, "runs": runs, "faults": faults or [], "rss": [], "notes": []}
+    data["procs"] = procs or []
     data["send_failures"] = send_failures or []
+    if results is None:  # every run that succeeded stored its result
+        results = [stored(r["task_id"], r["ended"]) for r in runs if r["outcome"] == "ok"]
+    data["results"] = results
+    data["hooks"] = hooks or []
     return report.analyse(data, locks or [], {**OPTIONS, **(options or {})})
 
 
@@ -149,12 +183,18 @@ def test_a_copy_that_runs_again_after_a_remembered_success_is_a_breach() -> None
     result = verdict([kiq("a", fp, 100.0)], runs)
     assert result["ran_again"] == {report.REMEMBERED_RAN_AGAIN: 1}
     assert result["breaches"] == [
-        "ran again after a success: 1 x ran again after a success the lock remembered"
+        f"bodies run again after a success, by task id: 1 x {report.REMEMBERED_RAN_AGAIN}"
     ]
     assert "after a success the lock remembered (must be 0): 1" in report.render(result)
-    # Without a success TTL nothing remembers the success: the copy runs.
+    # Without a success TTL the library remembers the success for copies too.
     plain = [run("a", "f", 100.5, 101.0), run("a", "f", 102.0, 102.5, pid=101)]
     result = verdict([kiq("a", "f", 100.0)], plain)
+    assert result["ran_again"] == {report.RAN_AGAIN: 1}
+    assert result["breaches"] == [
+        f"bodies run again after a success, by task id: 1 x {report.RAN_AGAIN}"
+    ]
+    # Only for its redelivery window: a copy after it runs, as documented.
+    result = verdict([kiq("a", "f", 100.0)], plain, options={"redelivery_window": 0})
     assert result["ran_again"] == {report.SUCCESS_FORGOTTEN: 1}
     assert result["breaches"] == []
 
@@ -367,14 +407,14 @@ def test_a_copy_right_after_a_success_whose_end_was_lost_is_a_breach() -> None:
 
 def test_a_send_accepted_after_the_first_succeeded_is_not_let_through_by_its_copy() -> None:
     # "a" succeeded and released its lock; "b" was accepted; a late copy of "a"
-    # ran after that (counted by ran_again, without a success TTL a window).
+    # ran after that (counted by ran_again, here after the redelivery window).
     kiqs = [kiq("a", "f", 100.0), kiq("b", "f", 102.0)]
     runs = [
         run("a", "f", 100.5, 101.0),
         run("a", "f", 102.5, 103.5, pid=101),
         run("b", "f", 104.0, 105.0),
     ]
-    result = verdict(kiqs, runs)
+    result = verdict(kiqs, runs, options={"redelivery_window": 1})
     assert result["let_through"] == {}
     assert result["ran_again"] == {report.SUCCESS_FORGOTTEN: 1}
     assert result["breaches"] == []
@@ -419,3 +459,215 @@ def test_a_retry_whose_send_failed_in_a_redis_fault_is_a_documented_window() -> 
     ]
     pause = fault("redis-pause", "locks", 100.9, 101.4)
     assert verdict(kiqs, runs, [pause])["let_through"] == {report.RETRY_SEND_FAILED: 1}
+
+
+def proc(pid: int, fate: str, last_seen: float, broker: str = "rabbitmq") -> dict[str, Any]:
+    return {
+        "pid": pid,
+        "role": "w",
+        "broker": broker,
+        "first_seen": 90.0,
+        "last_seen": last_seen,
+        "fate": fate,
+    }
+
+
+def test_bodies_run_again_after_a_success_are_counted_by_task_id() -> None:
+    # "a": two copies ran after its success (one task id); "b": one copy, after a
+    # Redis restart emptied what remembered its success (a documented window).
+    kiqs = [kiq("a", "f", 100.0), kiq("b", "g", 100.0)]
+    runs = [
+        run("a", "f", 100.5, 101.0),
+        run("a", "f", 103.0, 103.5, pid=101),
+        run("a", "f", 106.0, 106.5, pid=102),
+        run("b", "g", 100.5, 101.0),
+        run("b", "g", 106.2, 106.5, pid=101),
+    ]
+    restart = fault("redis-restart", "locks", 102.0, 102.1)
+    result = verdict(kiqs, runs, [restart])
+    assert result["ran_again"] == {report.LOST_IN_RESTART: 3}
+    assert result["reruns_by_task"] == {report.LOST_IN_RESTART: 2}
+    assert result["breaches"] == []
+    # A restart between the copies of "a" explains only the later one: "a" is a breach.
+    result = verdict(kiqs, runs, [fault("redis-restart", "locks", 105.0, 105.1)])
+    assert result["ran_again"] == {report.RAN_AGAIN: 1, report.LOST_IN_RESTART: 2}
+    assert result["reruns_by_task"] == {report.RAN_AGAIN: 1, report.LOST_IN_RESTART: 1}
+    assert result["reruns_by_policy"] == {"finished": 1}
+    assert result["breaches"] == [
+        f"bodies run again after a success, by task id: 1 x {report.RAN_AGAIN}"
+    ]
+    text = report.render(result)
+    assert (
+        f"bodies run again after a success, by task id: 2 ({report.LOST_IN_RESTART}: 1, "
+        f"*{report.RAN_AGAIN}: 1)"
+    ) in text
+    assert "outside the windows (must be 0): 1 {'finished': 1}" in text
+    assert "copies remembered for ever (no redelivery_window)" in text
+
+
+def test_a_copy_counts_only_within_the_redelivery_window() -> None:
+    runs = [run("a", "f", 100.5, 101.0), run("a", "f", 131.0, 131.5, pid=101)]
+    kiqs = [kiq("a", "f", 100.0)]
+    # No window (a library without the option): every copy counts.
+    assert verdict(kiqs, runs)["reruns_by_task"] == {report.RAN_AGAIN: 1}
+    inside = verdict(kiqs, runs, options={"redelivery_window": 3600})
+    assert inside["reruns_by_task"] == {report.RAN_AGAIN: 1}
+    assert "copies remembered 3600s" in report.render(inside)
+    outside = verdict(kiqs, runs, options={"redelivery_window": 15})
+    assert outside["reruns_by_task"] == {report.SUCCESS_FORGOTTEN: 1}
+    assert outside["breaches"] == []
+
+
+def test_a_copy_after_its_worker_was_killed_before_the_success_reached_redis_is_a_window() -> None:
+    kiqs = [kiq("a", "f", 100.0)]
+    runs = [run("a", "f", 100.5, 101.0), run("a", "f", 116.0, 116.5, pid=101)]
+    killed = [proc(100, "sigkill", 101.05)]
+    result = verdict(kiqs, runs, procs=killed)
+    assert result["reruns_by_task"] == {report.SUCCESS_KILLED: 1}
+    assert result["breaches"] == []
+    # Killed a while after its success: the success had reached Redis.
+    later = verdict(kiqs, runs, procs=[proc(100, "sigkill", 110.0)])
+    assert later["reruns_by_task"] == {report.RAN_AGAIN: 1}
+
+
+def test_copies_of_a_task_whose_runs_may_overlap_are_not_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(app.POLICIES, "overlap", {"deduplication_exclusive": False})
+    fp = "rabbitmq:overlap:1"
+    runs = [run("a", fp, 100.5, 101.0), run("a", fp, 102.0, 102.5, pid=101)]
+    result = verdict([kiq("a", fp, 100.0)], runs)
+    assert result["reruns_by_task"] == {report.COPIES_RUN: 1}
+    assert result["breaches"] == []
+
+
+def test_a_call_that_succeeded_without_a_stored_result_is_a_breach() -> None:
+    kiqs = [kiq("a", "f", 100.0), kiq("b", "g", 100.0), kiq("c", "h", 100.0)]
+    runs = [
+        run("a", "f", 100.5, 101.0),
+        run("b", "g", 100.5, 101.0),
+        run("c", "h", 100.5, 101.0, outcome="failed", attempt=2),  # never succeeded
+    ]
+    result = verdict(kiqs, runs, results=[stored("b", 101.01)])
+    assert result["lost_results"] == {report.RESULT_NEVER_STORED: 1}
+    assert result["examples"]["lost_results"][0]["task_id"] == "a"
+    assert result["breaches"] == [
+        f"results lost or never stored for a call: 1 x {report.RESULT_NEVER_STORED}"
+    ]
+    text = report.render(result)
+    assert f"results lost or never stored for a call: 1 (*{report.RESULT_NEVER_STORED}: 1)" in text
+    assert "calls that succeeded 2, answered with ResultLostError 0" in text
+
+
+def test_a_result_lost_with_a_killed_worker_is_a_window_only_on_the_list_broker() -> None:
+    killed = [proc(100, "sigkill", 101.02)]
+    listed = verdict(
+        [kiq("a", "f", 100.0, broker="redis-list")],
+        [run("a", "f", 100.5, 101.0, broker="redis-list")],
+        results=[],
+        procs=killed,
+    )
+    assert listed["lost_results"] == {report.RESULT_LOST_AT_MOST_ONCE: 1}
+    assert listed["breaches"] == []
+    # A redelivering broker gives the message to another worker: its copy must answer.
+    redelivered = verdict(
+        [kiq("a", "f", 100.0, broker="nats")],
+        [run("a", "f", 100.5, 101.0, broker="nats")],
+        results=[],
+        procs=killed,
+    )
+    assert redelivered["lost_results"] == {report.RESULT_LOST_WORKER_DIED: 1}
+    assert redelivered["breaches"]
+    # A copy that stored ResultLostError answered the caller.
+    answered = verdict(
+        [kiq("a", "f", 100.0, broker="nats")],
+        [run("a", "f", 100.5, 101.0, broker="nats")],
+        results=[stored("a", 104.0, "ResultLostError", pid=101)],
+        procs=killed,
+    )
+    assert answered["lost_results"] == {}
+    assert answered["results"]["answered_result_lost"] == 1
+
+
+def test_errors_seen_by_a_later_middleware_leave_out_the_bodies_that_failed() -> None:
+    fp = "rabbitmq:remembered:1"
+    kiqs = [kiq("a", fp, 100.0)]
+    runs = [
+        run("a", fp, 100.5, 101.0, outcome="failed", delivery="d1"),
+        run("a", fp, 101.5, 102.0, attempt=1, delivery="d2"),
+    ]
+    hooks = [
+        # The first attempt failed on purpose: its on_error is the body's.
+        hook("a", 101.0, "RuntimeError: attempt 0 fails on purpose", delivery="d1"),
+        # A copy of the success, left out: seen as an error, and its arguments unreadable.
+        hook("a", 103.0, "NoResultError: ", hook="pre_execute", delivery="d3"),
+        hook("a", 103.0, "NoResultError: ", delivery="d3"),
+    ]
+    result = verdict(kiqs, runs, hooks=hooks)
+    no_body = f"{report.ON_ERROR_NO_BODY} (NoResultError)"
+    assert result["errors_seen"] == {report.ARGS_UNREADABLE: 1, no_body: 1}
+    assert result["errors_seen_tasks"] == 1
+    assert result["errors_not_counted"] == 1
+    assert sorted(result["breaches"]) == [
+        f"skips seen by another middleware as errors: 1 x {no_body}",
+        f"skips seen by another middleware as errors: 1 x {report.ARGS_UNREADABLE}",
+    ]
+    text = report.render(result)
+    assert "skips seen by another middleware as errors: 2 (" in text
+    assert "outside the windows (must be 0): 2 in 1 task ids; not counted: 1 on_error" in text
+    # Only the body's own failure is left out.
+    clean = verdict(kiqs, runs, hooks=hooks[:1])
+    assert clean["errors_seen"] == {}
+    assert clean["breaches"] == []
+
+
+def test_an_error_of_a_body_cut_short_by_a_worker_stop_is_a_window() -> None:
+    kiqs = [kiq("a", "f", 100.0), kiq("b", "g", 100.0)]
+    runs = [
+        run("a", "f", 100.5, None, delivery="d1"),
+        run("a", "f", 110.0, 111.0, pid=101, attempt=0, delivery="d2"),
+        run("b", "g", 100.5, 101.0, delivery="d3"),
+    ]
+    hooks = [
+        hook("a", 106.0, "CancelledError: ", delivery="d1"),
+        hook("b", 101.0, "ValueError: late", delivery="d3"),  # after a body that succeeded
+    ]
+    result = verdict(kiqs, runs, hooks=hooks, procs=[proc(100, "sigterm", 106.5)])
+    assert result["errors_seen"] == {report.ON_ERROR_CUT_SHORT: 1, report.ON_ERROR_AFTER_OK: 1}
+    assert result["breaches"] == [
+        f"skips seen by another middleware as errors: 1 x {report.ON_ERROR_AFTER_OK}"
+    ]
+
+
+def test_new_sends_refused_within_the_success_ttl_are_counted_not_checked() -> None:
+    fp = "rabbitmq:remembered:1"
+    kiqs = [
+        kiq("a", fp, 100.0),
+        kiq("b", fp, 100.7, outcome="duplicate", holder="a"),  # "a" still runs
+        kiq("c", fp, 103.0, outcome="duplicate", holder="a"),  # its success remembered
+        kiq("d", fp, 104.0, outcome="duplicate", holder="a"),
+        kiq("e", "f", 100.0),
+        kiq("g", "f", 101.5, outcome="duplicate", holder="e"),  # right after e's success
+    ]
+    runs = [run("a", fp, 100.5, 101.0), run("e", "f", 100.5, 101.0)]
+    result = verdict(kiqs, runs)
+    assert result["success_ttl_refusals"] == {"success_ttl": 2, "no_success_ttl": 1}
+    assert result["breaches"] == []
+    assert (
+        "a new send within the success TTL is refused, by task id: 2 (a count; without a "
+        "success TTL, refused naming a holder that had succeeded: 1)"
+    ) in report.render(result)
+
+
+def test_the_four_lines_of_copies_follow_the_reruns_in_the_report() -> None:
+    text = report.render(verdict([kiq("a", "f", 100.0)], [run("a", "f", 100.5, 101.0)]))
+    lines = text.splitlines()
+    first = next(i for i, line in enumerate(lines) if "by task id" in line)
+    assert lines[first - 1].startswith("    after a success the lock remembered")
+    titles = [line.split(":")[0].strip() for line in lines[first : first + 7 : 2]]
+    assert titles == [
+        "bodies run again after a success, by task id",
+        "results lost or never stored for a call",
+        "skips seen by another middleware as errors",
+        "a new send within the success TTL is refused, by task id",
+    ]

@@ -55,6 +55,16 @@ def parse(argv: list[str]) -> Options:
         default=None,
         help="send the deduplication_running_ttl label with this value",
     )
+    parser.add_argument(
+        "--redelivery-window",
+        type=int,
+        default=None,
+        help=(
+            "the middleware's redelivery_window (where the library has it), and how long "
+            "after a success the report counts a copy that ran as a breach "
+            "(default: the library's own; none where it has no such option)"
+        ),
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed (0)")
     parser.add_argument(
         "--keep-ledger", action="store_true", help="keep the PostgreSQL schema at the end"
@@ -75,6 +85,7 @@ def parse(argv: list[str]) -> Options:
         fault_gap=args.fault_gap,
         long_pauses=long_pauses,
         running_ttl=args.running_ttl,
+        redelivery_window=args.redelivery_window,
         seed=args.seed,
         keep=args.keep_ledger,
         out=args.report,

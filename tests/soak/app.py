@@ -14,7 +14,9 @@ tests.soak.app:<broker>_worker`` process. They agree on everything through one
 
 Every run of the task writes its start and its end to PostgreSQL, the outside
 observer: it sees what really ran, whatever Redis, the brokers or the
-middleware believe.
+middleware believe. So do the results that taskiq stores (:class:`LedgerResults`,
+the application's result backend), and what a middleware of the application's
+own, registered after deduplication, sees of each delivery (:class:`Observer`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import asyncio
 import contextlib
 import contextvars
 import dataclasses
+import inspect
 import json
 import os
 import time
@@ -37,6 +40,7 @@ import redis.exceptions
 from taskiq import (
     AckableMessage,
     AsyncBroker,
+    AsyncResultBackend,
     AsyncTaskiqDecoratedTask,
     BrokerMessage,
     Context,
@@ -45,7 +49,9 @@ from taskiq import (
     TaskiqDepends,
     TaskiqMessage,
     TaskiqMiddleware,
+    TaskiqResult,
 )
+from taskiq.exceptions import ResultGetError
 from taskiq_redis import ListQueueBroker, RedisStreamBroker
 
 from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
@@ -63,6 +69,8 @@ POKE_NAME = "soak.poke"
 IDLE_TIMEOUT_MS = 2000
 #: NATS delivers a message again when it is not acknowledged within this, in seconds.
 ACK_WAIT = 3.0
+#: The label the :class:`Observer` tags each delivery with, for the ledger.
+DELIVERY_LABEL = "_soak_delivery"
 #: ``deduplication_success_ttl`` of the "remembered" task.
 SUCCESS_TTL = 5
 #: ``deduplication_ttl`` of the "expired" task: its throttle window.
@@ -128,6 +136,8 @@ class SoakConfig:
     running_ttl: int | None = None
     """If set, sent as the ``deduplication_running_ttl`` label (a library that
     does not know the label ignores it)."""
+    redelivery_window: int | None = None
+    """If set, the middleware's ``redelivery_window`` option (where the library has it)."""
 
     @property
     def schema(self) -> str:
@@ -222,6 +232,121 @@ class SendTimer(TaskiqMiddleware):
         return message
 
 
+class Observer(TaskiqMiddleware):
+    """A middleware of the application's own, after deduplication: what it sees of a skip.
+
+    As many a logging or auditing middleware does, it reads the call's
+    positional arguments before the run (``list(message.args)``) and hears of
+    every error (``on_error``). A copy that deduplication leaves out must be
+    invisible here: arguments that read, and no error. Every ``on_error`` call,
+    and every read of the arguments that raised, goes to the ledger's ``hooks``
+    table. Where the read raises, it goes on as if it had not (a real middleware
+    would raise, and leave the message unacknowledged, to come back for ever),
+    so that the rest of the soak sees the deduplication middleware's doing alone.
+
+    It tags each delivery with a fresh :data:`DELIVERY_LABEL`, which the run
+    writes to the ledger too: the report tells an error of a body that failed
+    from an error in a delivery whose body never ran.
+    """
+
+    def __init__(self, kind: str, ledger: Ledger) -> None:
+        """Record for broker ``kind`` in ``ledger``."""
+        super().__init__()
+        self.kind = kind
+        self.ledger = ledger
+
+    async def pre_execute(self, message: TaskiqMessage) -> TaskiqMessage:
+        """Tag the delivery; read the arguments, as a logging middleware would."""
+        message.labels[DELIVERY_LABEL] = uuid.uuid4().hex
+        try:
+            list(message.args)
+        except Exception as exc:  # noqa: BLE001 (what it raises is the finding)
+            await self._record(message, "pre_execute", exc)
+        return message
+
+    async def on_error(
+        self,
+        message: TaskiqMessage,
+        result: TaskiqResult[Any],
+        exception: BaseException,
+    ) -> None:
+        """Write the error to the ledger, with the delivery it came in."""
+        await self._record(message, "on_error", exception)
+
+    async def _record(self, message: TaskiqMessage, hook: str, error: BaseException) -> None:
+        with contextlib.suppress(Exception):  # the ledger must not change the run
+            await self.ledger.execute(
+                "INSERT INTO hooks (task_id, broker, pid, at, hook, delivery, error)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s)",
+                (
+                    message.task_id,
+                    self.kind,
+                    os.getpid(),
+                    time.time(),
+                    hook,
+                    message.labels.get(DELIVERY_LABEL),
+                    f"{type(error).__name__}: {error}"[:300],
+                ),
+            )
+
+
+class LedgerResults(AsyncResultBackend[Any]):
+    """The application's result backend: every result stored is a row of the ledger's ``results``.
+
+    PostgreSQL is never faulted, so a result missing at the end is one that no
+    worker stored, not one that the backend lost. The last row of a task id is
+    its result.
+    """
+
+    def __init__(self, kind: str, ledger: Ledger) -> None:
+        """Store for broker ``kind`` in ``ledger``."""
+        self.kind = kind
+        self.ledger = ledger
+
+    async def set_result(self, task_id: str, result: TaskiqResult[Any]) -> None:
+        """Add the result as the task's latest."""
+        error = None if result.error is None else type(result.error).__name__
+        await self.ledger.execute(
+            "INSERT INTO results (task_id, broker, pid, at, is_err, error, body)"
+            " VALUES (%s, %s, %s, %s, %s, %s, %s)",
+            (
+                task_id,
+                self.kind,
+                os.getpid(),
+                time.time(),
+                result.is_err,
+                error,
+                result.model_dump_json(),
+            ),
+        )
+
+    async def is_result_ready(self, task_id: str) -> bool:
+        """Whether a result of ``task_id`` was stored."""
+        return bool(
+            await self.ledger.execute(
+                "SELECT EXISTS (SELECT 1 FROM results WHERE task_id = %s)", (task_id,)
+            )
+        )
+
+    async def get_result(self, task_id: str, with_logs: bool = False) -> TaskiqResult[Any]:
+        """The latest result stored for ``task_id``."""
+        del with_logs  # none are kept
+        body = await self.ledger.execute(
+            "SELECT body FROM results WHERE task_id = %s ORDER BY id DESC LIMIT 1", (task_id,)
+        )
+        if body is None:
+            raise ResultGetError
+        return TaskiqResult[Any].model_validate_json(body)
+
+
+def library_redelivery_window() -> int | None:
+    """The default ``redelivery_window`` of the middleware, where the library has the option."""
+    parameter = inspect.signature(RedisDeduplicationMiddleware).parameters.get("redelivery_window")
+    if parameter is None or not isinstance(parameter.default, int):
+        return None
+    return parameter.default
+
+
 def _record_failed_sends(broker: AsyncBroker, kind: str, ledger: Ledger) -> None:
     """Write each send the broker refuses in a worker (a retry's) to the ledger.
 
@@ -264,6 +389,9 @@ class App:
 def build(config: SoakConfig, kind: str, *, client: bool = False) -> App:
     """The broker ``kind`` with its middlewares and task."""
     broker = _make_broker(config, kind)
+    extra: dict[str, Any] = {}
+    if config.redelivery_window is not None and library_redelivery_window() is not None:
+        extra["redelivery_window"] = config.redelivery_window
     dedup = RedisDeduplicationMiddleware(
         redis_url=config.lock_redis_url,
         default_ttl=config.ttl,
@@ -271,6 +399,7 @@ def build(config: SoakConfig, kind: str, *, client: bool = False) -> App:
         fail_open=kind in config.fail_open,
         startup_retries=5,
         startup_retry_delay=0.5,
+        **extra,
     )
     # Both retry middlewares, each in both orders with deduplication.
     retry: TaskiqMiddleware
@@ -282,8 +411,11 @@ def build(config: SoakConfig, kind: str, *, client: bool = False) -> App:
     middlewares: list[TaskiqMiddleware] = [dedup, retry] if dedup_first else [retry, dedup]
     if client:
         middlewares.append(SendTimer())
-    broker.with_middlewares(*middlewares)
     ledger = Ledger(config)
+    # Last of all, after deduplication whatever its place: it must not see a skip.
+    middlewares.append(Observer(kind, ledger))
+    broker.with_middlewares(*middlewares)
+    broker.with_result_backend(LedgerResults(kind, ledger))
     if not client:
         _record_failed_sends(broker, kind, ledger)
 
@@ -292,9 +424,17 @@ def build(config: SoakConfig, kind: str, *, client: bool = False) -> App:
         attempt = int(message.labels.get("_retries", 0))
         started = time.time()
         run = await ledger.execute(
-            "INSERT INTO runs (fp, task_id, broker, attempt, pid, started)"
-            " VALUES (%s, %s, %s, %s, %s, %s) RETURNING id",
-            (fp, message.task_id, kind, attempt, os.getpid(), started),
+            "INSERT INTO runs (fp, task_id, broker, attempt, pid, started, delivery)"
+            " VALUES (%s, %s, %s, %s, %s, %s, %s) RETURNING id",
+            (
+                fp,
+                message.task_id,
+                kind,
+                attempt,
+                os.getpid(),
+                started,
+                message.labels.get(DELIVERY_LABEL),
+            ),
         )
         await asyncio.sleep(ms / 1000)
         failing = attempt < fails
@@ -332,9 +472,16 @@ def build(config: SoakConfig, kind: str, *, client: bool = False) -> App:
         ) as conn:
             run = _one(
                 conn,
-                "INSERT INTO runs (fp, task_id, broker, attempt, pid, started)"
-                " VALUES (%s, %s, %s, 0, %s, %s) RETURNING id",
-                (fp, message.task_id, kind, os.getpid(), time.time()),
+                "INSERT INTO runs (fp, task_id, broker, attempt, pid, started, delivery)"
+                " VALUES (%s, %s, %s, 0, %s, %s, %s) RETURNING id",
+                (
+                    fp,
+                    message.task_id,
+                    kind,
+                    os.getpid(),
+                    time.time(),
+                    message.labels.get(DELIVERY_LABEL),
+                ),
             )
             task_id = uuid.uuid4().hex
             wall, t0 = time.time(), time.monotonic()

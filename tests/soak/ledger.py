@@ -1,6 +1,11 @@
 """The soak's ledger in PostgreSQL: one schema per run, dropped at the end.
 
-``runs``    one row per execution of the task, written by the worker that ran it
+``runs``    one row per execution of the task, written by the worker that ran it,
+            with the delivery it ran in (``delivery``, set by the observer middleware)
+``hooks``   what the observer middleware after deduplication saw go wrong: every
+            ``on_error`` call, and every ``pre_execute`` that could not read the
+            arguments; each with its delivery
+``results`` one row per result stored (the soak's result backend), by task id
 ``kiqs``    one row per send, written by the client (or by the ``chain`` task in a
             worker, ``source = 'worker'``): outcome and latency
 ``faults``  one row per fault the soak injected, with its start and end
@@ -24,7 +29,14 @@ DSN = "host=127.0.0.1 port=5432 dbname=test user=postgres"
 _TABLES = """
 CREATE TABLE runs (id bigserial PRIMARY KEY, fp text NOT NULL, task_id text NOT NULL,
     broker text NOT NULL, attempt int NOT NULL, pid int NOT NULL,
-    started double precision NOT NULL, ended double precision, outcome text);
+    started double precision NOT NULL, ended double precision, outcome text, delivery text);
+CREATE TABLE hooks (id bigserial PRIMARY KEY, task_id text NOT NULL, broker text NOT NULL,
+    pid int NOT NULL, at double precision NOT NULL, hook text NOT NULL, delivery text,
+    error text NOT NULL);
+CREATE TABLE results (id bigserial PRIMARY KEY, task_id text NOT NULL, broker text NOT NULL,
+    pid int NOT NULL, at double precision NOT NULL, is_err boolean NOT NULL, error text,
+    body text NOT NULL);
+CREATE INDEX results_task_id ON results (task_id);
 CREATE TABLE kiqs (id bigserial PRIMARY KEY, fp text NOT NULL, task_id text NOT NULL,
     broker text NOT NULL, started double precision NOT NULL, ended double precision NOT NULL,
     latency double precision NOT NULL, lock_latency double precision NOT NULL,

@@ -10,7 +10,15 @@ Two runs of one lock key (one fingerprint: the soak's fingerprints name their
 broker and policy) never overlap, whatever the policy and whoever sent them,
 redelivered copies included: only :data:`OVERLAP_WINDOWS` explain an overlap,
 and a lease that lapsed under a worker cut off from Redis is counted on its own
-line. A copy of a run whose success its lock remembers never runs its body.
+line.
+
+A copy of a message whose run succeeded never runs its body again, with or
+without a success TTL, for as long as the library remembers the success for
+copies (its ``redelivery_window``; without one, every copy counts): counted by
+task id. Every call whose body succeeded has a result stored for its caller.
+A copy that is left out is invisible to a middleware registered after
+deduplication: it reads the arguments and hears of no error. A new send within
+a success TTL is refused: counted, not checked.
 """
 
 from __future__ import annotations
@@ -19,7 +27,14 @@ import itertools
 from collections import Counter, defaultdict
 from typing import Any
 
-from tests.soak.app import AT_LEAST_ONCE, EXPIRED_TTL, MAX_ATTEMPTS, SUCCESS_TTL, policy_of
+from tests.soak.app import (
+    AT_LEAST_ONCE,
+    EXPIRED_TTL,
+    MAX_ATTEMPTS,
+    POLICIES,
+    SUCCESS_TTL,
+    policy_of,
+)
 
 REDIS_FAULTS = frozenset({"redis-restart", "redis-pause", "redis-cut"})
 #: A lock is released by the worker after the task's end is stamped; allow this
@@ -45,8 +60,20 @@ RELEASE_LOST = "release lost in a Redis fault (lock lives out its TTL)"
 HOLDER_KILLED = "holder was killed (lock lives out its TTL)"
 HOLDER_LOST = "holder's message was lost"
 LEASE_LAPSED = "lease lapsed under a worker cut off from Redis (fenced)"
-SUCCESS_FORGOTTEN = "copy of a success its lock no longer held (no success TTL)"
+SUCCESS_FORGOTTEN = "copy after the redelivery window (the success no longer remembered)"
 REMEMBERED_RAN_AGAIN = "ran again after a success the lock remembered"
+RAN_AGAIN = "ran again after a success, within the redelivery window"
+COPIES_RUN = "its copies run by design (not exclusive, or not deduplicated)"
+SUCCESS_KILLED = "its worker was killed before the success could reach Redis"
+RESULT_LOST_AT_MOST_ONCE = "its worker died before storing it (at-most-once broker)"
+RESULT_LOST_WORKER_DIED = "its worker died before storing it, and no copy stored one"
+RESULT_NEVER_STORED = "no result stored"
+ARGS_UNREADABLE = "pre_execute could not read the arguments"
+ON_ERROR_CUT_SHORT = "on_error of a body cut short by a worker stop"
+ON_ERROR_UNENDED = "on_error of a body that never ended"
+ON_ERROR_AFTER_OK = "on_error after the body succeeded"
+#: Where the on_error of a delivery whose body never ran is classed: this, then the error's type.
+ON_ERROR_NO_BODY = "on_error, body not run"
 SUCCESS_NOT_WRITTEN = "success not written: Redis unreachable as its run ended"
 RETRY_SEND_FAILED = "its retry's send failed: lock released, message delivered again"
 NEVER_RAN_AT_LEAST_ONCE = "never ran on an at-least-once broker"
@@ -75,12 +102,30 @@ DOCUMENTED = frozenset(
         SUCCESS_FORGOTTEN,
         SUCCESS_NOT_WRITTEN,
         RETRY_SEND_FAILED,
+        COPIES_RUN,
+        SUCCESS_KILLED,
+        RESULT_LOST_AT_MOST_ONCE,
+        ON_ERROR_CUT_SHORT,
+    }
+)
+#: The windows in which a copy of a success may run its body again.
+RAN_AGAIN_WINDOWS = frozenset(
+    {
+        SUCCESS_FORGOTTEN,
+        COPIES_RUN,
+        LOST_IN_RESTART,
+        SUCCESS_KILLED,
+        SUCCESS_NOT_WRITTEN,
+        LEASE_LAPSED,
     }
 )
 #: The documented windows of each invariant.
 WINDOWS: dict[str, frozenset[str]] = {
     "overlaps": OVERLAP_WINDOWS,
-    "ran_again": frozenset({SUCCESS_FORGOTTEN, LOST_IN_RESTART, SUCCESS_NOT_WRITTEN, LEASE_LAPSED}),
+    "ran_again": RAN_AGAIN_WINDOWS,
+    "reruns_by_task": RAN_AGAIN_WINDOWS,
+    "lost_results": frozenset({RESULT_LOST_AT_MOST_ONCE}),
+    "errors_seen": frozenset({ON_ERROR_CUT_SHORT}),
     "let_through": DOCUMENTED,
     "never_ran": DOCUMENTED,
     "never_completed": DOCUMENTED,
@@ -106,6 +151,13 @@ class Ledger:
         self.send_failures: dict[str, list[float]] = defaultdict(list)
         for row in data.get("send_failures", []):
             self.send_failures[row["task_id"]].append(row["at"])
+        window = options.get("redelivery_window")
+        self.window: float = INF if window is None else float(window)
+        """How long after a success a copy is told (the library's ``redelivery_window``)."""
+        self.hooks = data.get("hooks", [])
+        self.results_of: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for row in sorted(data.get("results", []), key=lambda r: r["at"]):
+            self.results_of[row["task_id"]].append(row)
         self.end_of_run = max(
             [r["ended"] or r["started"] for r in self.runs] + [k["ended"] for k in self.kiqs] + [0]
         )
@@ -126,6 +178,10 @@ class Ledger:
             self.runs_by_fp[run["fp"]].append(run)
         for runs in self.runs_of.values():
             runs.sort(key=lambda r: r["started"])
+        self.run_in: dict[str, dict[str, Any]] = {
+            run["delivery"]: run for run in self.runs if run.get("delivery")
+        }
+        """The run of each delivery that the observer middleware tagged."""
         self.fail_open: set[str] = set(options.get("fail_open", ("redis-list",)))
 
     def killed(self, run: dict[str, Any]) -> bool:
@@ -372,12 +428,43 @@ def lost_in_restart(led: Ledger, task_id: str, ok: dict[str, Any], later: dict[s
     return False
 
 
+def copies_run(fp: str) -> bool:
+    """Whether the copies of a call of ``fp`` run again by design.
+
+    A task with ``deduplication_exclusive=False`` runs a copy at once, beside
+    the first run; one with ``deduplication=False`` has no lock at all. Both
+    are documented. The soak has no such task in its ledger today (its one
+    undeduplicated task, ``poke``, writes nothing there); a policy of
+    :data:`POLICIES` that gets either label is excluded here.
+    """
+    labels = POLICIES.get(policy_of(fp), {})
+    return labels.get("deduplication_exclusive") is False or labels.get("deduplication") is False
+
+
+def killed_before_success_written(led: Ledger, ok: dict[str, Any]) -> bool:
+    """Whether the worker of the run ``ok`` was killed between its body's end and its success.
+
+    The body's end is stamped before the middleware writes the success to
+    Redis (one round trip, at most a socket timeout): a worker killed in
+    between leaves nothing in Redis to tell a copy, which then runs once the
+    run's lease lapses. No lock can close that window.
+    """
+    if not led.killed(ok) or ok["ended"] is None:
+        return False
+    died = led.death[ok["pid"]][1]
+    return bool(ok["ended"] - 0.5 <= died <= ok["ended"] + led.timeout + 1.0)
+
+
 def ran_again(led: Ledger) -> list[dict[str, Any]]:
     """Runs of a task that started after one of its runs had succeeded, with their class.
 
-    A copy of a success that its lock remembers (``deduplication_success_ttl``)
-    must not run its body; one that comes after its lock was released (no
-    success TTL) runs, as nothing remembers the success any more.
+    A copy of a message whose run succeeded must not run its body, whatever
+    the policy and with or without a success TTL, while the library remembers
+    the success: for the success TTL, and for its ``redelivery_window`` (the
+    report's ``redelivery_window`` option; none given: for ever). The windows
+    are those that empty or never fill that memory: a Redis restart, a success
+    whose end could not reach Redis or whose worker was killed before it did,
+    a copy that waited a whole lease for Redis.
     """
     found = []
     for task_id, runs in led.runs_of.items():
@@ -387,32 +474,177 @@ def ran_again(led: Ledger) -> list[dict[str, Any]]:
         for later in runs:
             if later is ok or later["started"] < ok["ended"]:
                 continue  # before the success ended: an overlap, counted there
-            remembered = policy_of(later["fp"]) == "remembered"
-            lapse = lease(led, later["fp"]) - 1.0
-            if not remembered or later["started"] > ok["ended"] + SUCCESS_TTL:
+            fp = later["fp"]
+            after = later["started"] - ok["ended"]
+            remembered = policy_of(fp) == "remembered"
+            window = max(led.window, SUCCESS_TTL) if remembered else led.window
+            lapse = lease(led, fp) - 1.0
+            if copies_run(fp):
+                why = COPIES_RUN
+            elif after > window:
                 why = SUCCESS_FORGOTTEN
             elif lost_in_restart(led, task_id, ok, later):
                 why = LOST_IN_RESTART
+            elif killed_before_success_written(led, ok):
+                why = SUCCESS_KILLED
             elif led.faults_in(
                 REDIS_FAULTS, ok["ended"] - led.timeout - 0.5, ok["ended"] + 0.5
-            ) and later["started"] >= ok["ended"] + lapse - interval(led, later["fp"]):
+            ) and later["started"] >= ok["ended"] + lapse - interval(led, fp):
                 # The end could not write the success: the run slot lives out
                 # its lease (refreshed until the body ended), then a copy runs.
                 why = SUCCESS_NOT_WRITTEN
             elif gave_up_waiting(led, lapse, later["started"]):
                 why = LEASE_LAPSED  # it waited a whole lease for Redis, then ran
-            else:
+            elif remembered and after <= SUCCESS_TTL:
                 why = REMEMBERED_RAN_AGAIN
+            else:
+                why = RAN_AGAIN
             found.append(
                 {
                     "task_id": task_id,
-                    "fp": later["fp"],
+                    "fp": fp,
+                    "policy": policy_of(fp),
                     "broker": later["broker"],
                     "class": why,
-                    "after": later["started"] - ok["ended"],
+                    "after": after,
                 }
             )
     return found
+
+
+def reruns_by_task(found: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One item per task id whose body ran again after a success: its worst copy.
+
+    A task id with a copy outside the windows is counted in that copy's class,
+    else in the class of its first copy.
+    """
+    by_task: dict[str, dict[str, Any]] = {}
+    for item in found:
+        kept = by_task.get(item["task_id"])
+        if kept is None or (
+            kept["class"] in RAN_AGAIN_WINDOWS and item["class"] not in RAN_AGAIN_WINDOWS
+        ):
+            by_task[item["task_id"]] = item
+    return list(by_task.values())
+
+
+def died_before_storing(led: Ledger, run: dict[str, Any]) -> bool:
+    """Whether the worker of the successful ``run`` ended before it could store the result.
+
+    taskiq stores the result after the middlewares' ``post_execute``: within
+    a round trip to Redis and one to the backend of the body's end.
+    """
+    if not led.died(run) or run["ended"] is None:
+        return False
+    died = led.death[run["pid"]][1]
+    return bool(run["ended"] - 1.5 <= died <= run["ended"] + led.timeout + 2.0)
+
+
+def lost_results(led: Ledger) -> list[dict[str, Any]]:
+    """Calls whose body succeeded at least once and that have no result stored at all.
+
+    The caller of such a call waits for ever. On the at-most-once list broker,
+    a worker that died between the body and the save takes the message with it;
+    on the others the broker delivers the message again, and its copy must
+    answer the caller.
+    """
+    found = []
+    for task_id, runs in led.runs_of.items():
+        oks = [r for r in runs if r["outcome"] == "ok"]
+        if not oks or led.results_of.get(task_id):
+            continue
+        if not any(died_before_storing(led, r) for r in oks):
+            why = RESULT_NEVER_STORED
+        elif runs[0]["broker"] in AT_LEAST_ONCE:
+            why = RESULT_LOST_WORKER_DIED
+        else:
+            why = RESULT_LOST_AT_MOST_ONCE
+        found.append(
+            {
+                "task_id": task_id,
+                "broker": runs[0]["broker"],
+                "policy": policy_of(runs[0]["fp"]),
+                "class": why,
+                "at": oks[0]["ended"],
+            }
+        )
+    return found
+
+
+def answered_lost(led: Ledger) -> int:
+    """Calls whose last result stored says their result was lost (``ResultLostError``)."""
+    return sum(
+        1 for rows in led.results_of.values() if rows and rows[-1]["error"] == "ResultLostError"
+    )
+
+
+def errors_seen(led: Ledger) -> tuple[list[dict[str, Any]], int]:
+    """What the observer middleware saw go wrong that was not a body's own failure.
+
+    Each ``on_error`` is matched to the run of its delivery (the observer's
+    tag): one whose body failed (on purpose: the soak's failing attempts) is
+    not counted. Nor is one whose body a worker stop cut short (taskiq cancels
+    what outlasts its shutdown timeout): an injected fault. Everything else,
+    and every ``pre_execute`` that could not read the arguments, is a delivery
+    that deduplication left out and that the observer saw as an error.
+
+    Returns:
+        The errors counted, each with its class, and the number not counted
+        (on_error of bodies that failed).
+    """
+    found, failed = [], 0
+    for hook in led.hooks:
+        kind = hook["error"].split(":")[0]
+        run = led.run_in.get(hook["delivery"] or "")
+        if hook["hook"] == "pre_execute":
+            why = ARGS_UNREADABLE
+        elif (run is not None and run["outcome"] == "failed") or (
+            run is None and "fails on purpose" in hook["error"]
+        ):
+            failed += 1
+            continue
+        elif run is None:
+            why = f"{ON_ERROR_NO_BODY} ({kind})"
+        elif run["outcome"] is None:
+            cut = kind == "CancelledError" or led.died(run)
+            why = ON_ERROR_CUT_SHORT if cut else ON_ERROR_UNENDED
+        else:
+            why = ON_ERROR_AFTER_OK
+        found.append(
+            {
+                "task_id": hook["task_id"],
+                "broker": hook["broker"],
+                "hook": hook["hook"],
+                "class": why,
+                "error": hook["error"],
+                "at": hook["at"],
+            }
+        )
+    return found, failed
+
+
+def success_ttl_refusals(led: Ledger) -> dict[str, int]:
+    """New sends refused because an earlier call's success is remembered, by task id.
+
+    A refusal whose holder had succeeded before the send began: under a
+    success TTL (within it, and the release margin: later ones are stale
+    refusals), and, apart, without one (the moment a success is kept for the
+    copies that waited for it).
+    """
+    remembered: set[str] = set()
+    plain: set[str] = set()
+    for kiq in led.kiqs:
+        if kiq["outcome"] != "duplicate" or kiq["holder"] is None:
+            continue
+        runs = led.runs_of.get(kiq["holder"], [])
+        ok = next((r for r in runs if r["outcome"] == "ok"), None)
+        if ok is None or ok["ended"] > kiq["started"]:
+            continue
+        if policy_of(kiq["fp"]) != "remembered":
+            plain.add(kiq["task_id"])
+        elif kiq["started"] <= ok["ended"] + SUCCESS_TTL + RELEASE_MARGIN:
+            remembered.add(kiq["task_id"])
+    return {"success_ttl": len(remembered), "no_success_ttl": len(plain)}
 
 
 def let_through(led: Ledger) -> list[dict[str, Any]]:
@@ -716,8 +948,11 @@ def analyse(
     led = Ledger(data, options)
     found_overlaps = overlaps(led)
     found_again = ran_again(led)
+    by_task = reruns_by_task(found_again)
     found_through = let_through(led)
     lost, unfinished = never_ran(led)
+    no_result = lost_results(led)
+    seen, body_failures = errors_seen(led)
     stale = stale_refusals(led)
     lat = latencies(led)
     mem = memory(led)
@@ -729,7 +964,9 @@ def analyse(
 
     for name, key, items in (
         ("overlapping runs of one lock key", "overlaps", found_overlaps),
-        ("ran again after a success", "ran_again", found_again),
+        ("bodies run again after a success, by task id", "reruns_by_task", by_task),
+        ("results lost or never stored for a call", "lost_results", no_result),
+        ("skips seen by another middleware as errors", "errors_seen", seen),
         ("sends let through", "let_through", found_through),
         ("accepted, never ran", "never_ran", lost),
         ("ran, never completed", "never_completed", unfinished),
@@ -779,6 +1016,27 @@ def analyse(
             )
         ),
         "ran_again": classes(found_again),
+        "reruns_by_task": classes(by_task),
+        "reruns_by_policy": dict(
+            Counter(i["policy"] for i in by_task if i["class"] not in RAN_AGAIN_WINDOWS)
+        ),
+        "reruns_after": _percentiles(
+            [i["after"] for i in found_again if i["class"] not in RAN_AGAIN_WINDOWS]
+        ),
+        "redelivery_window": options.get("redelivery_window"),
+        "lost_results": classes(no_result),
+        "results": {
+            "calls_succeeded": sum(
+                1 for runs in led.runs_of.values() if any(r["outcome"] == "ok" for r in runs)
+            ),
+            "answered_result_lost": answered_lost(led),
+        },
+        "errors_seen": classes(seen),
+        "errors_seen_tasks": len(
+            {i["task_id"] for i in seen if i["class"] not in WINDOWS["errors_seen"]}
+        ),
+        "errors_not_counted": body_failures,
+        "success_ttl_refusals": success_ttl_refusals(led),
         "let_through": classes(found_through),
         "never_ran": classes(lost),
         "never_completed": classes(unfinished),
@@ -791,6 +1049,8 @@ def analyse(
         "examples": {
             "overlaps": [o for o in found_overlaps if o["class"] not in OVERLAP_WINDOWS][:5],
             "ran_again": [o for o in found_again if o["class"] not in WINDOWS["ran_again"]][:5],
+            "lost_results": [o for o in no_result if o["class"] not in DOCUMENTED][:5],
+            "errors_seen": [o for o in seen if o["class"] not in DOCUMENTED][:5],
             "let_through": [o for o in found_through if o["class"] not in DOCUMENTED][:5],
             "stale_refusals": [o for o in stale if o["class"] not in DOCUMENTED][:5],
             "never_ran": [o for o in lost + unfinished if o["class"] not in DOCUMENTED][:5],
@@ -823,10 +1083,7 @@ def render(result: dict[str, Any]) -> str:
         ("refused naming a holder that had ended", "stale_refusals"),
     ):
         counts = result[key]
-        shown = ", ".join(
-            f"{'' if why in WINDOWS[key] else '*'}{why}: {n}" for why, n in sorted(counts.items())
-        )
-        lines.append(f"  {title}: {sum(counts.values())}" + (f" ({shown})" if shown else ""))
+        lines.append(_counted(title, result, key))
         if key == "overlaps":
             lapses = counts.get(LEASE_LAPSED, 0) + counts.get(LONG_PAUSE, 0)
             outside = sum(n for why, n in counts.items() if why not in OVERLAP_WINDOWS)
@@ -837,6 +1094,7 @@ def render(result: dict[str, Any]) -> str:
                 "    after a success the lock remembered (must be 0): "
                 f"{counts.get(REMEMBERED_RAN_AGAIN, 0)}"
             )
+            lines += _copy_lines(result)
         if key == "never_ran":
             lines.append(
                 "    on an at-least-once broker (must be 0): "
@@ -878,3 +1136,52 @@ def render(result: dict[str, Any]) -> str:
     else:
         lines.append("all invariants held")
     return "\n".join(lines)
+
+
+def _counted(title: str, result: dict[str, Any], key: str) -> str:
+    """One invariant's line: its total, then each class (``*``: outside the windows)."""
+    counts = result[key]
+    shown = ", ".join(
+        f"{'' if why in WINDOWS[key] else '*'}{why}: {n}" for why, n in sorted(counts.items())
+    )
+    return f"  {title}: {sum(counts.values())}" + (f" ({shown})" if shown else "")
+
+
+def _outside(result: dict[str, Any], key: str) -> int:
+    return sum(n for why, n in result[key].items() if why not in WINDOWS[key])
+
+
+def _copy_lines(result: dict[str, Any]) -> list[str]:
+    """The lines of the copies of a success: reruns by task id, results, errors, refusals."""
+    window = result["redelivery_window"]
+    after = result["reruns_after"]
+    told = "for ever (no redelivery_window)" if window is None else f"{window}s"
+    lines = [
+        _counted("bodies run again after a success, by task id", result, "reruns_by_task"),
+        f"    outside the windows (must be 0): {_outside(result, 'reruns_by_task')} "
+        f"{result['reruns_by_policy']}; copies remembered {told}"
+        + (
+            f"; began after the success p50 {after['p50']:.1f}s max {after['max']:.1f}s"
+            if after["n"]
+            else ""
+        ),
+        _counted("results lost or never stored for a call", result, "lost_results"),
+        (
+            f"    outside the windows (must be 0): {_outside(result, 'lost_results')}; "
+            f"calls that succeeded {result['results']['calls_succeeded']}, "
+            f"answered with ResultLostError {result['results']['answered_result_lost']}"
+        ),
+        _counted("skips seen by another middleware as errors", result, "errors_seen"),
+        (
+            f"    outside the windows (must be 0): {_outside(result, 'errors_seen')} "
+            f"in {result['errors_seen_tasks']} task ids; not counted: "
+            f"{result['errors_not_counted']} on_error of bodies that failed"
+        ),
+    ]
+    refused = result["success_ttl_refusals"]
+    lines.append(
+        "  a new send within the success TTL is refused, by task id: "
+        f"{refused['success_ttl']} (a count; without a success TTL, refused naming a "
+        f"holder that had succeeded: {refused['no_success_ttl']})"
+    )
+    return lines

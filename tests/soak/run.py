@@ -44,7 +44,14 @@ from tests._server import Server
 from tests.e2e.conftest import Process, Processes, live_processes
 from tests.faults._proxy import Proxy
 from tests.soak import ledger, report
-from tests.soak.app import BROKERS, CONFIG_ENV, MAX_ATTEMPTS, SoakConfig, build
+from tests.soak.app import (
+    BROKERS,
+    CONFIG_ENV,
+    MAX_ATTEMPTS,
+    SoakConfig,
+    build,
+    library_redelivery_window,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +95,7 @@ class Options:
     fault_gap: float = 2.0
     long_pauses: bool = False
     running_ttl: int | None = None
+    redelivery_window: int | None = None
     seed: int = 0
     keep: bool = False
     out: Path | None = None
@@ -417,6 +425,7 @@ async def soak(options: Options) -> int:
         pg_dsn=ledger.DSN,
         ttl=options.ttl,
         running_ttl=options.running_ttl,
+        redelivery_window=options.redelivery_window,
     )
     for service, port in (("RabbitMQ", AMQP_PORT), ("NATS", NATS_PORT), ("PostgreSQL", 5432)):
         try:
@@ -500,10 +509,29 @@ async def soak(options: Options) -> int:
         conductor.save()
         data = {
             table: ledger.load(config.pg_dsn, config.schema, table)
-            for table in ("runs", "kiqs", "faults", "procs", "rss", "notes", "send_failures")
+            for table in (
+                "runs",
+                "kiqs",
+                "faults",
+                "procs",
+                "rss",
+                "notes",
+                "send_failures",
+                "hooks",
+                "results",
+            )
         }
+        window = options.redelivery_window
+        if window is None:
+            window = library_redelivery_window()  # None: the library remembers no copies
         result = report.analyse(
-            data, locks, {**options_dict(options), "fail_open": list(config.fail_open)}
+            data,
+            locks,
+            {
+                **options_dict(options),
+                "fail_open": list(config.fail_open),
+                "redelivery_window": window,
+            },
         )
         text = report.render(result)
         print(text, flush=True)
