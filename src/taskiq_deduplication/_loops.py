@@ -36,8 +36,7 @@ if TYPE_CHECKING:
 
     RedisClient = Redis | RedisCluster
 
-# Named for what it logs, not for the private module it lives in.
-logger = logging.getLogger("taskiq_deduplication.middleware")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -104,7 +103,7 @@ class LoopStates:
         for ended in [other for other in self._states if other.is_closed()]:
             # Closed without shutdown_asyncgens(): nothing can run there any more.
             logger.debug("Dropping the deduplication state of a closed event loop")
-            del self._states[ended]
+            self._states.pop(ended).locks.abandon()
         client, owned = self._make_client()
         metrics = self._metrics()
         locks = LockStore(client, round_trip=metrics.round_trip if metrics else None)

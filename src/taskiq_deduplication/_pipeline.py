@@ -14,6 +14,7 @@ bounded memory.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections import deque
 from typing import TYPE_CHECKING, Any, Final
@@ -36,13 +37,17 @@ if TYPE_CHECKING:
     from redis.asyncio.cluster import RedisCluster
     from redis.commands.core import AsyncScript
 
-# Named for what it logs, not for the private module it lives in.
-logger = logging.getLogger("taskiq_deduplication.pipeline")
+logger = logging.getLogger(__name__)
 
 # Most calls in one batch (a write-ahead takes all that is queued, up to MAX_QUEUED).
 _MAX_BATCH: Final = 512
 # Most calls waiting to be sent; more would only wait past their deadline.
 MAX_QUEUED: Final = 10_000
+# Why a call made after the shutdown fails: the line a run that ends after a
+# shutdown logs (a task still running when an in-process broker shut down).
+_SHUT_DOWN: Final = (
+    "the deduplication middleware was shut down (broker.shutdown()) in this event loop"
+)
 
 
 class Pipeline:
@@ -274,6 +279,31 @@ class Pipeline:
             # Shielded: cancelled once more, the connection still goes back.
             await asyncio.shield(self._transport.close())
 
+    def abandon(self) -> None:
+        """Give up a pipeline whose event loop was closed while it was still open.
+
+        Nothing runs in that loop any more (closed without ``shutdown_asyncgens()``):
+        what is queued is never sent, and its locks expire on their TTL. A
+        background sender made in the loop's last turn never started; its
+        coroutine is closed here, or it would be reported as never awaited
+        whenever the garbage collector finds it.
+        """
+        self._closed = True
+        self._queue.clear()
+        self._written = []
+        self._waiting.clear()
+        sender, self._sender = self._sender, None
+        if sender is not None and not sender.done():
+            coroutine = sender.get_coro()
+            if (
+                inspect.iscoroutine(coroutine)
+                and inspect.getcoroutinestate(coroutine) == inspect.CORO_CREATED
+            ):
+                coroutine.close()
+                # It can never run: not a task "destroyed but pending" either (as
+                # asyncio's own run_until_complete() says of its task).
+                sender._log_destroy_pending = False  # type: ignore[attr-defined]  # noqa: SLF001
+
     async def load_scripts(self) -> None:
         """Load every script into the server, as the first thing sent."""
         await self.drain()
@@ -310,8 +340,7 @@ class Pipeline:
     def _admit(self, call: Call, loop: asyncio.AbstractEventLoop) -> None:
         """Queue a call someone waits for, or fail it at once."""
         if self._closed:
-            msg = "the deduplication lock pipeline is closed"
-            raise PipelineClosedError(msg)
+            raise PipelineClosedError(_SHUT_DOWN)
         if len(self._queue) >= MAX_QUEUED:
             raise backlog_full(len(self._queue))
         self._queue.append(call)

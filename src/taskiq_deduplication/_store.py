@@ -491,6 +491,10 @@ class LockStore:
         """Send what is queued and give the connection back; the client stays open."""
         await self._pipeline.close()
 
+    def abandon(self) -> None:
+        """Give up what is queued: the event loop of the store closed before the store did."""
+        self._pipeline.abandon()
+
 
 def _finish_call(
     run: Lock, how: str, ms: int, waited_ms: int, done: Done | None

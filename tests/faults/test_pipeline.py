@@ -432,3 +432,40 @@ async def test_replies_lost_with_a_connection_closed_under_the_pipeline_go_to_no
     with admin(server.port) as admin_client:
         assert admin_client.get(b.key).startswith("tokb")
         assert admin_client.get(c.key).startswith("tokc")
+
+
+# A shutdown while a task still runs (issue 31, item 8.1)
+
+
+async def test_a_shutdown_while_a_task_runs_says_once_that_its_lock_expires(
+    server: Server, prefix: str, logs: LogRecords
+) -> None:
+    # An in-process broker shuts down with a task still running; asyncio.run
+    # then cancels the task, and taskiq runs its post_execute all the same.
+    middleware = RedisDeduplicationMiddleware(server.url, key_prefix=prefix)
+    broker = InMemoryBroker().with_middlewares(middleware)
+    started = asyncio.Event()
+
+    @broker.task
+    async def slow() -> None:
+        started.set()
+        await asyncio.sleep(60)
+
+    await broker.startup()
+    await slow.kiq()
+    await started.wait()
+    await broker.shutdown()
+    running = list(broker._running_tasks)
+    for task in running:
+        task.cancel()  # what asyncio.run does with the tasks left at its end
+    await asyncio.wait(running, timeout=5)
+    assert all(task.done() for task in running)
+
+    # No traceback of ours, and one line that says why and for how long.
+    assert [r for r in logs.records if r.exc_info] == []
+    (line,) = logs.messages(logging.WARNING)
+    assert "shut down (broker.shutdown())" in line, line
+    assert "it expires in 30s" in line, line  # the running lease
+    with admin(server.port) as client:
+        (key,) = lock_keys(client, prefix)
+        assert 0 < client.pttl(key) <= 30_000
