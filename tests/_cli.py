@@ -16,7 +16,7 @@ from taskiq import InMemoryBroker
 from taskiq_deduplication import RedisDeduplicationMiddleware
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Mapping, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 _TIMEOUT = 30
@@ -39,19 +39,7 @@ async def start_dedup(*args: str, **env: str) -> asyncio.subprocess.Process:
 
     Its stdin, stdout and stderr are pipes.
     """
-    environment = {name: value for name, value in os.environ.items() if name != "REDIS_URL"}
-    return await asyncio.create_subprocess_exec(
-        *_python(),
-        "-m",
-        "taskiq",
-        "dedup",
-        *args,
-        cwd=ROOT,
-        env={**environment, **env},
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    return await _start(ROOT, args, env)
 
 
 async def dedup(*args: str, stdin: str = "", **env: str) -> Run:
@@ -60,7 +48,35 @@ async def dedup(*args: str, stdin: str = "", **env: str) -> Run:
     The event loop goes on meanwhile, so the test's own running tasks keep their
     locks alive.
     """
-    process = await start_dedup(*args, **env)
+    return await _finished(await start_dedup(*args, **env), stdin)
+
+
+async def dedup_in(directory: Path, *args: str, **env: str) -> Run:
+    """Run ``taskiq dedup ARGS`` as ``dedup`` does, but from ``directory``."""
+    return await _finished(await _start(directory, args, env), "")
+
+
+async def _start(
+    directory: Path, args: Sequence[str], env: Mapping[str, str]
+) -> asyncio.subprocess.Process:
+    environment = {name: value for name, value in os.environ.items() if name != "REDIS_URL"}
+    # Coverage of a run elsewhere is written beside the suite's, which combines it.
+    environment.setdefault("COVERAGE_FILE", str(ROOT / ".coverage"))
+    return await asyncio.create_subprocess_exec(
+        *_python(),
+        "-m",
+        "taskiq",
+        "dedup",
+        *args,
+        cwd=directory,
+        env={**environment, **env},
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+
+
+async def _finished(process: asyncio.subprocess.Process, stdin: str) -> Run:
     try:
         out, err = await asyncio.wait_for(process.communicate(stdin.encode()), _TIMEOUT)
     except BaseException:

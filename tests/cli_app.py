@@ -45,4 +45,20 @@ async def ping() -> None:
     await finish.wait()
 
 
+@broker.task  # named as taskiq names it: tests.cli_app:build_report
+async def build_report(user_id: int) -> None:
+    await finish.wait()
+
+
+# One function's name for two tasks, as two modules of an app can have it.
+@broker.task(task_name="shop.exports:export")
+async def export() -> None:
+    await finish.wait()
+
+
+@broker.task(task_name="shop:export")
+async def export_all() -> None:
+    await finish.wait()
+
+
 not_a_broker = "just a string"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import os
 import shutil
 import sys
 import uuid
@@ -23,7 +24,7 @@ from taskiq import InMemoryBroker
 from taskiq_deduplication import DuplicateTaskError
 from taskiq_deduplication.cli import main
 from tests._brokers import HoldingBroker
-from tests._cli import dedup, one_line_error, start_dedup
+from tests._cli import dedup, dedup_in, one_line_error, start_dedup
 from tests._docs import documented_acl
 from tests.conftest import BrokerFactory, lock_keys
 
@@ -101,8 +102,9 @@ async def test_list_every_lock_with_its_holder_and_time_left(
         }
         assert lock["key"] == f"{prefix}:{lock['name']}"
         assert 0 < lock["ttl_ms"] <= 300_000
-        # The lock's record: the name only where the middleware records it.
-        assert (lock["task_name"], lock["policy"], lock["sent"]) == (None, "finished", True)
+        # The lock's record, its task's name included (recorded by default).
+        named = "cli.named" if lock["holder_task_id"] == named_id else "cli.job"
+        assert (lock["task_name"], lock["policy"], lock["sent"]) == (named, "finished", True)
         assert 0 <= lock["age_ms"] < 60_000
     assert [lock["holder_task_id"] for lock in matched.json()] == [named_id]
     assert as_text.status == 0
@@ -230,9 +232,8 @@ async def test_releasing_a_queued_debounced_lock_takes_its_merged_arguments(
     @queue.task(task_name="cli.debounced", deduplication_key="doc-7", deduplication_debounce=60)
     async def save(text: str) -> None: ...
 
-    await save.kiq("a")
-    with pytest.raises(DuplicateTaskError):
-        await save.kiq("b")  # merged into the queued task's arguments
+    first = await save.kiq("a")
+    assert (await save.kiq("b")).task_id == first.task_id  # merged into the queued task
     assert [key async for key in redis_client.scan_iter(match=f"{prefix}#merge:*")] == [
         f"{prefix}#merge:doc-7"
     ]
@@ -482,6 +483,7 @@ async def test_key_follows_the_labels_of_the_task_and_of_the_call(
         (("tests.cli_app:not_a_broker", "x"), "is a str, not a taskiq broker"),
         (("tests.cli_app", "x"), "module:variable"),
         (("tests.cli_app:broker", "nope"), "has no task 'nope' (its tasks: nightly, ping,"),
+        (("tests.cli_app:broker", "export"), "'export' names 2 tasks: shop.exports:export, shop:"),
         (("tests.cli_app:broker", "nightly", "--args", "{"), "--args: not JSON"),
         (("tests.cli_app:broker", "nightly", "--kwargs", "[]"), "--kwargs: expected a JSON object"),
         (("tests.cli_app:broker", "nightly", "--url", "http://x"), "--url http://x: "),
@@ -509,6 +511,78 @@ async def test_a_key_usage_error_from_the_real_command(
     run = await dedup("key", "tests.cli_app:broker", "nope", **app[1])
     assert run.status == 2
     assert "has no task 'nope'" in one_line_error(run)
+
+
+async def test_key_finds_a_task_by_its_functions_name_as_the_readme_shows(
+    started_app: tuple[ModuleType, dict[str, str]],
+) -> None:
+    app, env = started_app
+    sent = await app.build_report.kiq(user_id=42)
+    refused = await _refused_key(app.build_report, user_id=42)
+    call = ("--kwargs", '{"user_id": 42}')
+    by_function, by_full_name, as_text, after_a_dot, shared = await asyncio.gather(
+        dedup("key", "tests.cli_app:broker", "build_report", *call, "--json", **env),
+        dedup("key", "tests.cli_app:broker", "tests.cli_app:build_report", *call, "--json", **env),
+        dedup("key", "--app", "tests.cli_app:broker", "build_report", *call, **env),
+        dedup("key", "tests.cli_app:broker", "monthly", "--args", '["2024-05"]', "--json", **env),
+        dedup("key", "tests.cli_app:broker", "export", **env),
+    )
+    for run in (by_function, by_full_name):
+        assert run.status == 0, run.stderr
+        found = run.json()
+        assert found["task_name"] == "tests.cli_app:build_report"  # its full name, said back
+        assert (found["key"], found["holder_task_id"]) == (refused.key, sent.task_id)
+    assert as_text.stdout.splitlines()[:2] == [
+        "task    tests.cli_app:build_report",
+        f"key     {refused.key}",
+    ]
+    assert (after_a_dot.status, after_a_dot.json()["task_name"]) == (1, "reports.monthly")
+    assert shared.status == 2
+    assert one_line_error(shared) == (
+        "taskiq dedup: error: 'export' names 2 tasks: shop.exports:export, shop:export; "
+        "give the full name"
+    )
+
+
+# An app as a user has it: a module in their project's directory, installed nowhere.
+_PROJECT_APP = """
+import os
+
+from taskiq import InMemoryBroker
+
+from taskiq_deduplication import RedisDeduplicationMiddleware
+
+broker = InMemoryBroker().with_middlewares(
+    RedisDeduplicationMiddleware(
+        redis_url=os.environ["REDIS_URL"], key_prefix=os.environ["DEDUP_CLI_PREFIX"]
+    )
+)
+
+
+@broker.task(deduplication_key="nightly-export")
+async def nightly_export() -> None: ...
+"""
+
+
+async def test_the_app_is_imported_from_the_current_directory_or_pythonpath(
+    tmp_path: Path, redis_url: str, prefix: str
+) -> None:
+    (tmp_path / "shop_project.py").write_text(_PROJECT_APP)
+    env = {"REDIS_URL": redis_url, "DEDUP_CLI_PREFIX": prefix}
+    task = ("shop_project:broker", "shop_project:nightly_export")
+    on_path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    elsewhere, keyed, listed, from_path = await asyncio.gather(
+        dedup("key", *task, **env),  # from the project root: not there
+        dedup_in(tmp_path, "key", *task, "--json", **env),
+        dedup_in(tmp_path, "list", "--app", task[0], "--json", **env),
+        dedup("key", "--app", *task, "--json", **env, PYTHONPATH=on_path),
+    )
+    assert elsewhere.status == 2
+    assert "cannot import 'shop_project:broker': ModuleNotFoundError" in one_line_error(elsewhere)
+    assert "looked in the current directory" in elsewhere.stderr
+    for run in (keyed, from_path):
+        assert (run.status, run.json()["key"]) == (1, f"{prefix}:nightly-export"), run.stderr
+    assert (listed.status, listed.json()) == (0, []), listed.stderr
 
 
 async def test_a_full_key_as_the_library_prints_it_needs_no_prefix(

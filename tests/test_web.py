@@ -25,9 +25,13 @@ from fastapi import Depends, FastAPI
 from starlette.exceptions import HTTPException
 from taskiq import AsyncTaskiqTask, InMemoryBroker
 
-from taskiq_deduplication import InvalidArgumentError, RedisDeduplicationMiddleware
+from taskiq_deduplication import (
+    InvalidArgumentError,
+    InvalidSettingError,
+    RedisDeduplicationMiddleware,
+)
 from taskiq_deduplication.cli import ExitCode
-from taskiq_deduplication.web import Action, locks_app
+from taskiq_deduplication.web import Action, allow_anyone, locks_app
 from tests._brokers import HoldingBroker
 from tests._cli import dedup, one_line_error, start_dedup
 from tests.conftest import BrokerFactory, all_topologies, dedup_middleware, lock_keys
@@ -96,7 +100,7 @@ async def test_every_page_shows_a_lock_a_kiq_took_and_never_its_arguments(
     broker, charge = held
     sent = await charge.kiq(order="A-1", card=CARD)
     middleware = dedup_middleware(broker)
-    app = locks_app(middleware, allow_release=True)
+    app = locks_app(middleware, allow_release=True, authorize=allow_anyone)
     async with client(app) as browser:
         listing = await browser.get("/")
         assert listing.status_code == 200
@@ -162,7 +166,7 @@ async def test_the_filter_narrows_by_name_and_by_task(make_broker: BrokerFactory
 async def test_a_task_filter_over_locks_without_task_names_says_why_nothing_matches(
     make_broker: BrokerFactory,
 ) -> None:
-    broker = await make_broker(broker_class=HoldingBroker)  # record_task_name off
+    broker = await make_broker(broker_class=HoldingBroker, record_task_name=False)
 
     @broker.task
     async def job() -> None: ...
@@ -227,7 +231,9 @@ async def test_a_release_asks_first_then_removes_the_lock(
     charged: Charged, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
     charge, key = charged.charge, charged.key
-    async with client(locks_app(charged.middleware, allow_release=True)) as browser:
+    async with client(
+        locks_app(charged.middleware, allow_release=True, authorize=allow_anyone)
+    ) as browser:
         listing = await browser.get("/")
         [link] = re.findall(r'<a class="release" href="([^"]+)"', listing.text)
         asked = await browser.get(html.unescape(link))
@@ -246,7 +252,7 @@ async def test_a_release_leaves_a_lock_that_another_send_took_since_it_was_asked
     charged: Charged,
 ) -> None:
     charge, key, first, middleware = charged.charge, charged.key, charged.sent, charged.middleware
-    async with client(locks_app(middleware, allow_release=True)) as browser:
+    async with client(locks_app(middleware, allow_release=True, authorize=allow_anyone)) as browser:
         asked = await browser.get("/release", params={"key": key})
         assert await middleware.locks.release(key)  # released elsewhere meanwhile...
         second = await charge.kiq(order="A-1", card=CARD)  # ...and taken by a new send
@@ -303,7 +309,9 @@ async def test_a_post_from_anywhere_but_the_apps_own_page_is_refused(
     key = charged.key
     lock = await charged.middleware.locks.get(key)
     assert lock is not None
-    async with client(locks_app(charged.middleware, allow_release=True)) as browser:
+    async with client(
+        locks_app(charged.middleware, allow_release=True, authorize=allow_anyone)
+    ) as browser:
         real = await token(browser)
         body = f"csrf={real if form_token else 'guessed'}&lock={lock.owner}+{key}"
         answer = await browser.post(
@@ -341,6 +349,30 @@ async def test_the_authorize_hook_decides_what_each_request_may_do(
     assert await lock_keys(redis_client, prefix) == [key]
 
 
+async def test_releases_need_a_word_on_who_may_make_them(
+    charged: Charged, redis_url: str, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    middleware = charged.middleware
+    for source in (middleware, middleware.locks, redis_url):
+        with pytest.raises(InvalidSettingError) as refused:
+            locks_app(source, allow_release=True)
+        assert isinstance(refused.value, ValueError)
+        assert "allow_release=True without authorize would let whoever reaches the page" in str(
+            refused.value
+        )
+        assert "authorize=allow_anyone" in str(refused.value)  # how to say so, if that is meant
+    async with client(locks_app(middleware)) as browser:  # read-only needs no word
+        assert (await browser.get("/")).status_code == 200
+    app = locks_app(middleware, allow_release=True, authorize=allow_anyone)
+    async with client(app) as browser:
+        asked = await browser.get("/release", params={"key": charged.key})
+        done = await browser.post(
+            "/release", data={"csrf": await token(browser), "lock": confirmed_locks(asked.text)}
+        )
+    assert f"<code>{html.escape(charged.key)}</code>: released" in done.text
+    assert await lock_keys(redis_client, prefix) == []
+
+
 async def test_a_key_that_holds_markup_is_shown_as_text(make_broker: BrokerFactory) -> None:
     broker = await make_broker(broker_class=HoldingBroker)
 
@@ -348,7 +380,9 @@ async def test_a_key_that_holds_markup_is_shown_as_text(make_broker: BrokerFacto
     async def job() -> None: ...
 
     await job.kiq()
-    async with client(locks_app(dedup_middleware(broker), allow_release=True)) as browser:
+    async with client(
+        locks_app(dedup_middleware(broker), allow_release=True, authorize=allow_anyone)
+    ) as browser:
         listing = await browser.get("/")
         [lock] = (await browser.get("/api/locks")).json()["locks"]
         shown = await browser.get("/lock", params={"key": lock["key"]})
@@ -394,6 +428,30 @@ async def test_the_key_page_computes_the_key_kiq_takes(
     assert "cannot compute a call's key" in from_url.text
 
 
+async def test_the_key_page_finds_a_task_by_its_functions_name(
+    held: tuple[HoldingBroker, Any],
+) -> None:
+    broker, charge = held
+    middleware = dedup_middleware(broker)
+    expected = middleware.locks.key_for(charge, order="A-1", card="x")
+    async with client(locks_app(middleware)) as browser:
+        by_function = await browser.post(
+            "/api/key", json={"task_name": "charge", "kwargs": {"order": "A-1"}}
+        )
+
+        @broker.task(task_name="billing.charge")
+        async def charge_again(order: str) -> None: ...
+
+        shared = await browser.post("/api/key", json={"task_name": "charge"})
+        form = await browser.post("/key", data={"csrf": await token(browser), "task": "charge"})
+    assert charge.task_name.endswith(":charge")  # taskiq's module:function
+    assert by_function.json() == {"task_name": charge.task_name, "key": expected, "lock": None}
+    message = f"'charge' names 2 tasks: billing.charge, {charge.task_name}; give the full name"
+    assert (shared.status_code, shared.json()) == (400, {"error": message})
+    assert form.status_code == 400
+    assert html.escape(message) in form.text
+
+
 async def test_mounted_in_fastapi_its_links_and_cookie_stay_under_the_mount(
     charged: Charged,
 ) -> None:
@@ -436,7 +494,9 @@ async def test_a_page_from_a_url_never_reads_or_releases_a_key_of_another_app(
     other = f"session:{uuid.uuid4().hex}"  # another app's key, with a ':' as a full key has
     await redis_client.set(other, '{"user": 7, "token": "abc"}', ex=60)
     try:
-        async with client(locks_app(redis_url, allow_release=True)) as browser:
+        async with client(
+            locks_app(redis_url, allow_release=True, authorize=allow_anyone)
+        ) as browser:
             read = await browser.get("/api/lock", params={"key": other})
             shown = await browser.get("/lock", params={"key": other})
             asked = await browser.get("/release", params={"key": other})
@@ -459,7 +519,9 @@ async def test_a_key_that_is_not_utf8_under_the_prefix_is_shown_and_can_be_relea
     # Written by another program: the library refuses such a key itself.
     odd = prefix.encode() + b":caf\xe9-\xff"
     await redis_client.set(odd, f"tok{'x' * 8} {'0' * 32}", ex=60)
-    async with client(locks_app(dedup_middleware(broker), allow_release=True)) as browser:
+    async with client(
+        locks_app(dedup_middleware(broker), allow_release=True, authorize=allow_anyone)
+    ) as browser:
         listing = await browser.get("/")
         data = await browser.get("/api/locks")
         links = [
@@ -562,32 +624,45 @@ def test_without_the_web_extra_the_library_works_and_the_page_says_what_to_insta
     assert "install taskiq-dedup[web]" in shown.stderr
 
 
+def _free_port() -> int:
+    """A port no one listens on, free for the command to take."""
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        port: int = listening.getsockname()[1]
+    return port
+
+
+async def _answering(browser: httpx.AsyncClient, served: asyncio.subprocess.Process) -> None:
+    """Wait until ``taskiq dedup web`` answers, failing at once if it exits instead."""
+    for _ in range(300):
+        if served.returncode is not None:
+            pytest.fail(f"taskiq dedup web exited with {served.returncode}")
+        with contextlib.suppress(httpx.TransportError):
+            await browser.get("/api/locks")
+            return
+        await asyncio.sleep(0.05)
+    pytest.fail("taskiq dedup web did not answer within 15 s")
+
+
 @pytest.mark.parametrize("source", ["url", "app"])
 async def test_taskiq_dedup_web_serves_the_page_until_stopped(
     charged: Charged, redis_url: str, prefix: str, source: str
 ) -> None:
-    listening = socket.socket()
-    listening.bind(("127.0.0.1", 0))
-    port = listening.getsockname()[1]
-    listening.close()  # free for the command to take
+    port = _free_port()
     where = ["--prefix", prefix] if source == "url" else ["--app", "tests.cli_app:broker"]
     # The app reads its Redis and prefix from these, as an app reads its settings.
     env = {"REDIS_URL": redis_url, "DEDUP_CLI_REDIS_URL": redis_url, "DEDUP_CLI_PREFIX": prefix}
     served = await start_dedup("web", *where, "--port", str(port), "--root-path", "/ops", **env)
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as browser:
-            for _ in range(300):
-                with contextlib.suppress(httpx.TransportError):
-                    answer = await browser.get("/api/locks")
-                    break
-                await asyncio.sleep(0.05)
-            else:
-                pytest.fail("taskiq dedup web did not answer within 15 s")
+            await _answering(browser, served)
+            answer = await browser.get("/api/locks")
             listing = await browser.get("/")
             refused = await browser.get("/release", params={"key": f"{prefix}:x"})
             keyed = await browser.post("/api/key", json={"task_name": "nightly"})
     finally:
-        served.send_signal(signal.SIGINT)
+        if served.returncode is None:
+            served.send_signal(signal.SIGINT)
         _, err = await asyncio.wait_for(served.communicate(), 15)
     assert [lock["holder_task_id"] for lock in answer.json()["locks"]] == [charged.sent.task_id]
     assert listing.status_code == 200
@@ -637,6 +712,42 @@ async def test_served_from_an_apps_middleware_it_closes_that_redis_client_at_shu
     assert answer.status_code == 200
     assert while_serving >= 1
     assert await connections() == 0  # closed by the app's shutdown, the loop still running
+
+
+async def test_taskiq_dedup_web_offers_releases_only_when_told_anyone_may(
+    charged: Charged, redis_url: str, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    # Refused before anything else, Redis (unreachable here) too.
+    unreachable = "redis://127.0.0.1:1/0?socket_connect_timeout=0.5"
+    alone = await dedup("web", "--url", unreachable, "--allow-release")
+    assert alone.status == ExitCode.USAGE
+    assert one_line_error(alone) == (
+        "taskiq dedup: error: --allow-release: served alone the page has no login, so whoever "
+        "reaches it could release locks; put it behind a proxy that asks for one and pass "
+        "--allow-release-without-auth, or mount locks_app(..., authorize=...) in your app"
+    )
+    port = _free_port()
+    served = await start_dedup(
+        "web", "--prefix", prefix, "--port", str(port), "--allow-release-without-auth",
+        REDIS_URL=redis_url,
+    )  # fmt: skip
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as browser:
+            await _answering(browser, served)
+            asked = await browser.get("/release", params={"key": charged.key})
+            done = await browser.post(
+                "/release", data={"csrf": await token(browser), "lock": confirmed_locks(asked.text)}
+            )
+    finally:
+        if served.returncode is None:
+            served.send_signal(signal.SIGINT)
+        _, err = await asyncio.wait_for(served.communicate(), 15)
+    assert f"<code>{html.escape(charged.key)}</code>: released" in done.text
+    assert await lock_keys(redis_client, prefix) == []
+    assert (
+        f"taskiq dedup: warning: whoever reaches http://127.0.0.1:{port}/ may release locks: "
+        "the page has no login of its own (--allow-release-without-auth)"
+    ) in err.decode().splitlines()
 
 
 async def test_taskiq_dedup_web_says_what_it_lacks_before_serving() -> None:

@@ -28,7 +28,7 @@ from starlette.responses import HTMLResponse, RedirectResponse
 from starlette.routing import Route
 
 from taskiq_deduplication import Locks
-from taskiq_deduplication.web import Action, locks_app
+from taskiq_deduplication.web import Action, allow_anyone, locks_app
 from tests._brokers import HoldingBroker
 
 if TYPE_CHECKING:
@@ -162,7 +162,9 @@ def test_the_list_shows_the_locks_kiq_took_and_counts_their_time_down(
     browser: Any, dedup: Deduplication, tmp_path: Path
 ) -> None:
     kiq_held(dedup, "report-daily", "report-weekly", "export-all")
-    app = locks_app(dedup.redis_url, prefix=dedup.key_prefix, allow_release=True)
+    app = locks_app(
+        dedup.redis_url, prefix=dedup.key_prefix, allow_release=True, authorize=allow_anyone
+    )
     with served(app) as root:
         browser.get(f"{root}/")
         assert sorted(rows(browser)) == [
@@ -201,7 +203,9 @@ def test_the_filter_narrows_the_list(browser: Any, dedup: Deduplication) -> None
 
 def test_a_release_asks_then_removes_the_lock(browser: Any, dedup: Deduplication) -> None:
     [holder] = kiq_held(dedup, "export-all")
-    app = locks_app(dedup.redis_url, prefix=dedup.key_prefix, allow_release=True)
+    app = locks_app(
+        dedup.redis_url, prefix=dedup.key_prefix, allow_release=True, authorize=allow_anyone
+    )
     with served(app) as root:
         browser.get(f"{root}/")
         browser.find_element(By.CSS_SELECTOR, "a.release").click()
@@ -215,7 +219,9 @@ def test_a_release_asks_then_removes_the_lock(browser: Any, dedup: Deduplication
 
 def test_a_lock_is_released_from_its_own_page(browser: Any, dedup: Deduplication) -> None:
     kiq_held(dedup, "export-all")
-    app = locks_app(dedup.redis_url, prefix=dedup.key_prefix, allow_release=True)
+    app = locks_app(
+        dedup.redis_url, prefix=dedup.key_prefix, allow_release=True, authorize=allow_anyone
+    )
     with served(app) as root:
         browser.get(f"{root}/")
         browser.find_element(By.CSS_SELECTOR, "td a[href*='/lock?key=']").click()
@@ -234,7 +240,9 @@ def test_a_lock_is_released_from_its_own_page(browser: Any, dedup: Deduplication
 
 def test_selected_locks_are_released_together(browser: Any, dedup: Deduplication) -> None:
     kiq_held(dedup, "report-daily", "report-weekly", "export-all")
-    app = locks_app(dedup.redis_url, prefix=dedup.key_prefix, allow_release=True)
+    app = locks_app(
+        dedup.redis_url, prefix=dedup.key_prefix, allow_release=True, authorize=allow_anyone
+    )
     with served(app) as root:
         browser.get(f"{root}/?match=report-*")
         for box in browser.find_elements(By.CSS_SELECTOR, "input[type=checkbox]"):
@@ -264,7 +272,9 @@ def test_a_read_only_page_offers_no_release(browser: Any, dedup: Deduplication) 
 
 def test_a_form_on_another_site_cannot_release(browser: Any, dedup: Deduplication) -> None:
     kiq_held(dedup, "export-all")
-    app = locks_app(dedup.redis_url, prefix=dedup.key_prefix, allow_release=True)
+    app = locks_app(
+        dedup.redis_url, prefix=dedup.key_prefix, allow_release=True, authorize=allow_anyone
+    )
     with served(app) as root:
         browser.get(f"{root}/")  # the operator has the page open: its cookie is set
 

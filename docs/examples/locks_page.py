@@ -18,8 +18,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from taskiq import InMemoryBroker
 
-from taskiq_deduplication import RedisDeduplicationMiddleware
-from taskiq_deduplication.web import Action, locks_app
+from taskiq_deduplication import InvalidSettingError, RedisDeduplicationMiddleware
+from taskiq_deduplication.web import Action, allow_anyone, locks_app
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://localhost:6379")
 PREFIX = f"shop-{uuid.uuid4().hex[:8]}"
@@ -69,8 +69,18 @@ internal = FastAPI(lifespan=lifespan)
 internal.mount("/ops/locks", locks_app(middleware))
 # --8<-- [end:read-only]
 
+# --8<-- [start:anyone]
+# Behind a proxy that asks for a login: whoever it lets through may release.
+proxied = FastAPI(lifespan=lifespan)
+proxied.mount("/ops/locks", locks_app(middleware, allow_release=True, authorize=allow_anyone))
+# --8<-- [end:anyone]
+
 
 async def main() -> None:
+    try:
+        locks_app(middleware, allow_release=True)  # releases, and no word on who may
+    except InvalidSettingError as exc:
+        print(f"allow_release without authorize: {type(exc).__name__}")
     async with lifespan(app):
         await nightly_export.kiq()
         transport = httpx.ASGITransport(app=app)

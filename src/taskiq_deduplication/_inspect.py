@@ -5,11 +5,15 @@ The mechanics under [Locks][taskiq_deduplication.Locks]. Keys are found with
 in one pipelined round trip (``GET`` and ``PTTL`` per key). A release is
 owner-checked, as the middleware's own is; what belongs to the lock (the
 arguments merged into its queued task) goes in the same step.
+
+And a tool's user names a task as they know it: by the name taskiq gave it
+(``module:function``), or by its function's name alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
@@ -18,12 +22,13 @@ from redis.crc import key_slot
 from redis.exceptions import NoPermissionError
 
 from taskiq_deduplication._formats import belonging_keys
-from taskiq_deduplication.exceptions import InvalidArgumentError
+from taskiq_deduplication.exceptions import InvalidArgumentError, InvalidSettingError
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Sequence
 
     from redis.asyncio import Redis
+    from taskiq import AsyncBroker, AsyncTaskiqDecoratedTask
 
     RedisClient = Redis | RedisCluster
 
@@ -249,3 +254,24 @@ def text(value: bytes | str) -> str:
 
 def raw(key: str) -> bytes:
     return key.encode("utf-8", "surrogateescape")
+
+
+def find_task(broker: AsyncBroker, name: str) -> AsyncTaskiqDecoratedTask[Any, Any] | None:
+    """The task of ``broker`` that ``name`` names, ``None`` if it names none.
+
+    ``name`` is a task's full name, or the part of one after its last ``:`` or
+    ``.``: the function's name, of a task that taskiq named ``module:function``.
+
+    Raises:
+        InvalidSettingError: ``name`` is the function's name of several tasks
+            (the message lists their full names).
+    """
+    task = broker.find_task(name)
+    if task is not None or not name:
+        return task
+    tasks = broker.get_all_tasks()
+    named = sorted(full for full in tasks if re.split("[:.]", full)[-1] == name)
+    if len(named) > 1:
+        msg = f"{name!r} names {len(named)} tasks: {', '.join(named)}; give the full name"
+        raise InvalidSettingError(msg)
+    return tasks[named[0]] if named else None

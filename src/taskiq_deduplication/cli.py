@@ -10,13 +10,19 @@ group as ``taskiq worker`` and ``taskiq scheduler`` are::
     taskiq dedup key --app MODULE:BROKER TASK_NAME [...]
     taskiq dedup web [--app MODULE:BROKER | --url URL [--prefix P]] [--host H] [--port N] [...]
 
-``--app`` imports the application's broker and reads the Redis URL and the key
+``--app`` imports the application's broker as ``taskiq worker`` does (from the
+current directory, then ``PYTHONPATH``) and reads the Redis URL and the key
 prefix from its deduplication middleware. ``--url`` overrides the URL; without
 either, ``REDIS_URL`` names it. A KEY is a full key, as the library prints it
-anywhere, or a lock's name under the prefix. Exit codes: 0 done, 1 not found
-(no such lock, or nothing released), 2 bad usage (options, JSON, an app or task
-that is not there), 3 Redis failed (unreachable, or the user may not run a
-command). Ctrl-C exits with 130. Every error is one line on stderr.
+anywhere, or a lock's name under the prefix. A TASK_NAME is a task's full name
+(``module:function``), or its function's name where no other task has it. The
+page of ``web`` is read-only unless ``--allow-release-without-auth`` says that
+whoever reaches it may release locks (it has no login of its own).
+
+Exit codes: 0 done, 1 not found (no such lock, or nothing released), 2 bad
+usage (options, JSON, an app or task that is not there), 3 Redis failed
+(unreachable, or the user may not run a command). Ctrl-C exits with 130. Every
+error is one line on stderr.
 
 What a command needs is imported when it runs: every ``taskiq`` command loads
 this module, and ``--help`` or a usage error needs no Redis client.
@@ -34,6 +40,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, NoReturn
 from urllib.parse import urlsplit
 
@@ -190,7 +197,8 @@ def _parser() -> _Parser:
         "call",
         nargs="+",
         metavar="[MODULE:BROKER] TASK_NAME",
-        help="the app's broker, as for taskiq worker (unless --app names it), and the task's name",
+        help="the app's broker, as for taskiq worker (unless --app names it), and the task's "
+        "name: its full name (module:function), or its function's name if no other task has it",
     )
     key.add_argument("--args", default="[]", metavar="JSON", help="positional arguments")
     key.add_argument("--kwargs", default="{}", metavar="JSON", help="keyword arguments")
@@ -208,8 +216,13 @@ def _parser() -> _Parser:
     web.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     web.add_argument("--port", type=int, default=8000, help="the port to listen on")
     web.add_argument(
-        "--allow-release", action="store_true", help="offer releases (read-only without it)"
+        "--allow-release-without-auth",
+        action="store_true",
+        help="offer releases to whoever reaches the page, which has no login of its own: "
+        "only behind a proxy that asks for one (read-only without it)",
     )
+    # Refused with a word on the flag above: served alone, a release is anyone's.
+    web.add_argument("--allow-release", action="store_true", help=argparse.SUPPRESS)
     web.add_argument(
         "--root-path",
         default="",
@@ -336,13 +349,19 @@ async def _to_release(locks: Locks, args: argparse.Namespace) -> tuple[list[Lock
 
 
 async def _key(args: argparse.Namespace) -> int:
-    spec, task_name = _app_and_task(args)
+    spec, given = _app_and_task(args)
     middleware = _app_middleware(spec)
     broker = middleware.broker
-    task = broker.find_task(task_name)
+    from taskiq_deduplication._inspect import find_task  # noqa: PLC0415 (see the docstring)
+
+    try:
+        task = find_task(broker, given)
+    except ValueError as exc:  # a function's name that several tasks share
+        raise _UsageError(str(exc)) from None
     if task is None:
         known = ", ".join(sorted(broker.get_all_tasks())) or "none"
-        raise _UsageError(f"broker {spec!r} has no task {task_name!r} (its tasks: {known})")
+        raise _UsageError(f"broker {spec!r} has no task {given!r} (its tasks: {known})")
+    task_name = task.task_name
     call_args = _json_argument("--args", args.args, list)
     call_kwargs = _json_argument("--kwargs", args.kwargs, dict)
     call_labels = _json_argument("--labels", args.labels, dict)
@@ -384,30 +403,46 @@ async def _key(args: argparse.Namespace) -> int:
 
 
 async def _web(args: argparse.Namespace) -> int:
+    if args.allow_release and not args.allow_release_without_auth:
+        msg = (
+            "--allow-release: served alone the page has no login, so whoever reaches it "
+            "could release locks; put it behind a proxy that asks for one and pass "
+            "--allow-release-without-auth, or mount locks_app(..., authorize=...) in your app"
+        )
+        raise _UsageError(msg)
     where = _where(args)
     try:
         import uvicorn  # noqa: PLC0415 (see the docstring)
 
-        from taskiq_deduplication.web import locks_app  # noqa: PLC0415
+        from taskiq_deduplication.web import allow_anyone, locks_app  # noqa: PLC0415
     except ImportError as exc:
         raise _UsageError(f"{exc.name or exc}: install taskiq-dedup[web]") from None
     if where.middleware is not None and args.url:
         msg = "--url: not with --app, whose middleware the page uses"
         raise _UsageError(msg)
+    # No login of its own: releases are offered only when the operator says anyone may.
+    releases = args.allow_release_without_auth
+    authorize = allow_anyone if releases else None
     url = args.url or (None if where.middleware is not None else os.environ.get("REDIS_URL"))
     if url:
         async with _opened(args, where):  # the URL is checked before the server starts
             pass
-        app = locks_app(url, prefix=where.prefix, allow_release=args.allow_release)
+        app = locks_app(url, prefix=where.prefix, allow_release=releases, authorize=authorize)
     elif where.middleware is not None:
-        app = locks_app(where.middleware, allow_release=args.allow_release)
+        app = locks_app(where.middleware, allow_release=releases, authorize=authorize)
     else:
         raise _UsageError("no Redis URL: pass --url or --app, or set REDIS_URL")
     config = uvicorn.Config(
         app, host=args.host, port=args.port, root_path=args.root_path, log_level="warning"
     )
     prefix = where.prefix or DEFAULT_PREFIX
-    _say(f"serving the locks under {prefix} at http://{args.host}:{args.port}/ (Ctrl-C stops)")
+    address = f"http://{args.host}:{args.port}/"
+    _say(f"serving the locks under {prefix} at {address} (Ctrl-C stops)")
+    if releases:
+        _say(
+            f"warning: whoever reaches {address} may release locks: the page has no login "
+            "of its own (--allow-release-without-auth)"
+        )
     server = uvicorn.Server(config)
     await server.serve()
     # Stopped by Ctrl-C (or SIGTERM): say so whether or not the signal, which
@@ -475,9 +510,16 @@ def _app_middleware(spec: str) -> RedisDeduplicationMiddleware:
     from taskiq_deduplication.middleware import RedisDeduplicationMiddleware  # noqa: PLC0415
 
     try:
+        # As taskiq worker imports it: from the current directory, then sys.path
+        # (PYTHONPATH and the installed packages).
         broker = import_object(spec)
     except Exception as exc:  # noqa: BLE001 (an app's import can fail any way; say how, in a line)
-        raise _UsageError(f"cannot import {spec!r}: {type(exc).__name__}: {exc}") from None
+        said = f"cannot import {spec!r}: {type(exc).__name__}: {exc}"
+        missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+        if missing and f"{spec.partition(':')[0]}.".startswith(f"{missing}."):
+            # The app's own module, not one it imports: say where it was looked for.
+            said += f" (looked in the current directory, {Path.cwd()}, and on PYTHONPATH)"
+        raise _UsageError(said) from None
     if not isinstance(broker, AsyncBroker):
         raise _UsageError(f"{spec!r} is a {type(broker).__name__}, not a taskiq broker")
     middleware = next(

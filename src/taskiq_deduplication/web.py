@@ -13,6 +13,13 @@ would take, and releases locks (owner-checked, after a confirmation) when it is
 built with ``allow_release=True``. ``/api/...`` answers the same in JSON. It
 shows what a lock records, never a task's arguments; its assets ship in the
 package. Needs the extra ``[web]`` (Starlette; uvicorn for ``taskiq dedup web``).
+
+Releases need a word on who may make them: an ``authorize`` check of yours, or
+``authorize=allow_anyone`` where a login in front of the page (a proxy's, an ASGI
+middleware's) already decides who reaches it. ``allow_release=True`` alone is
+refused when the app is built::
+
+    locks_app(middleware, allow_release=True, authorize=allow_anyone)  # behind your proxy's login
 """
 
 from __future__ import annotations
@@ -42,15 +49,20 @@ except ImportError as exc:  # pragma: no cover (the extra is installed wherever 
 from redis.exceptions import RedisError
 
 from taskiq_deduplication import _web_pages as pages
+from taskiq_deduplication._inspect import find_task
 from taskiq_deduplication._loops import states_of
-from taskiq_deduplication.exceptions import DeduplicationError, InvalidArgumentError
+from taskiq_deduplication.exceptions import (
+    DeduplicationError,
+    InvalidArgumentError,
+    InvalidSettingError,
+)
 from taskiq_deduplication.locks import DEFAULT_PREFIX, LockInfo, Locks
 from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Sequence
 
-__all__ = ["Action", "Authorize", "locks_app"]
+__all__ = ["Action", "Authorize", "allow_anyone", "locks_app"]
 
 #: What a request asks to do: read locks (every page, the JSON view) or release them.
 Action = Literal["view", "release"]
@@ -102,21 +114,31 @@ def locks_app(
         prefix: With a URL, the middleware's ``key_prefix``; by default the
             middleware's default.
         allow_release: Offer releases. Without it the app is read-only: it
-            shows no release and refuses one.
+            shows no release and refuses one. With it, ``authorize`` is needed.
         authorize: Called with each request and what it asks (``"view"`` or
             ``"release"``) before anything is read; ``False`` answers 403.
-            Without it, whoever reaches the app may use it: mount it behind
-            your own authentication, or give this.
+            Without it, whoever reaches a read-only app may read it: mount it
+            behind your own authentication, or give this. To let whoever
+            reaches the app release locks too (a login in front of it decides
+            who that is), say so with ``authorize=allow_anyone``.
         page_size: The locks a page of the list shows (about: see ``Locks.page``),
             at most 1,000; ``/api/locks?limit=`` asks for another number.
 
     Raises:
         InvalidArgumentError: ``prefix`` with a middleware or ``Locks`` (they
             have their own), or ``page_size`` not from 1 to 1,000.
-        InvalidSettingError: ``prefix`` cannot be a key prefix (a ``ValueError``).
+        InvalidSettingError: ``prefix`` cannot be a key prefix, or
+            ``allow_release=True`` without ``authorize`` (a ``ValueError``).
     """
     if not 1 <= page_size <= _MAX_LIMIT:
         raise InvalidArgumentError(f"page_size={page_size!r}: must be from 1 to {_MAX_LIMIT}")
+    if allow_release and authorize is None:
+        msg = (
+            "allow_release=True without authorize would let whoever reaches the page release "
+            "locks: pass authorize=<your check of the request>, or authorize=allow_anyone "
+            "(from taskiq_deduplication.web) if a login in front of the page decides who reaches it"
+        )
+        raise InvalidSettingError(msg)
     middleware = source if isinstance(source, RedisDeduplicationMiddleware) else None
     if isinstance(source, str):
         # With the prefix named, a key given to the page is read under it only:
@@ -160,6 +182,21 @@ def locks_app(
         ],
         lifespan=lifespan,
     )
+
+
+def allow_anyone(_request: Request, _action: Action) -> bool:
+    """An ``authorize`` that lets every request through, releases too.
+
+    Says where the app is built that whoever reaches the page may release
+    locks, because something in front of it (a proxy's login, an ASGI
+    middleware of yours, a network only operators reach) decides who that is:
+    ``locks_app(middleware, allow_release=True, authorize=allow_anyone)``.
+    ``allow_release=True`` without any ``authorize`` is refused.
+
+    Returns:
+        Always ``True``.
+    """
+    return True
 
 
 class _RefusedError(Exception):
@@ -220,7 +257,7 @@ class _Site:
                 "kwargs": _json(form.get("kwargs", [""])[0] or "{}", "kwargs", dict),
                 "labels": _json(form.get("labels", [""])[0] or "{}", "labels", dict),
             }
-            key, lock = await self._key_of(name, call)
+            name, key, lock = await self._key_of(name, call)
             return pages.key_page(view, tasks, pages.KeyAnswer(name, key, lock))
 
         return await self._html(request, "view", page)
@@ -296,7 +333,7 @@ class _Site:
                 call[field] = body.get(field, kind())
                 if not isinstance(call[field], kind):
                     raise _RefusedError(400, f"{field}: expected a JSON {_kind_name(kind)}")
-            key, lock = await self._key_of(name, call)
+            name, key, lock = await self._key_of(name, call)
             return {"task_name": name, "key": key, "lock": lock and _as_json(lock)}
 
         return await self._json(request, answer)
@@ -323,14 +360,17 @@ class _Site:
         broker = getattr(self._middleware, "broker", None)
         return None if broker is None else sorted(broker.get_all_tasks())
 
-    async def _key_of(self, name: str, call: dict[str, Any]) -> tuple[str | None, LockInfo | None]:
-        """The key a call of task ``name`` would take, and the lock there now."""
+    async def _key_of(
+        self, name: str, call: dict[str, Any]
+    ) -> tuple[str, str | None, LockInfo | None]:
+        """The full name of the task ``name`` names, the key its call takes, and the lock there."""
         broker = getattr(self._middleware, "broker", None)
         if broker is None:
             raise _RefusedError(404, "Keys are computed by an app built from a middleware.")
-        task = broker.find_task(name)
+        task = find_task(broker, name)  # its full name, or its function's name alone
         if task is None:
             raise _RefusedError(404, f"The broker has no task {name!r}.")
+        name = task.task_name
         try:
             kicker = task.kicker().with_labels(**call["labels"])
             key = self._locks.key_for(kicker, *call["args"], **call["kwargs"])
@@ -339,7 +379,7 @@ class _Site:
         except (ValueError, TypeError) as exc:  # taskiq's, which may quote the arguments
             msg = f"Task {name!r}: the call does not fit the task ({type(exc).__name__})."
             raise _RefusedError(400, msg) from None
-        return key, (None if key is None else await self._lock(key))
+        return name, key, (None if key is None else await self._lock(key))
 
     async def _allowed(self, request: Request, action: Action) -> None:
         if self._authorize is None:
