@@ -518,6 +518,18 @@ def without_done(keys: Iterable[_Key]) -> list[_Key]:
     return [key for key in keys if mark not in (key.decode() if isinstance(key, bytes) else key)]
 
 
+async def merged_into(call: Callable[[], Awaitable[Any]]) -> str:
+    """Make a ``kiq`` that merges into its queued holder; the holder's task_id it hands back.
+
+    A merged call is no refusal (issue 31): ``kiq`` raises nothing and returns
+    the handle of the holder, which will run with the call's arguments. A
+    call that is refused instead fails the test with its ``DuplicateTaskError``.
+    """
+    handle = await call()
+    task_id: str = handle.task_id
+    return task_id
+
+
 async def lock_keys(client: redis.asyncio.Redis, prefix: str) -> list[str]:
     """The lock keys under ``prefix``, sorted."""
     return sorted([key async for key in client.scan_iter(match=f"{prefix}:*")])

@@ -45,6 +45,7 @@ from tests.conftest import (
     each_retry_order,
     lock_keys,
     lock_value,
+    merged_into,
     queued_job,
     running_beats,
     wait_until,
@@ -111,8 +112,8 @@ async def test_a_join_is_logged_as_a_join_whatever_its_other_arguments(
         assert "not sent" not in text
         assert "other" not in text  # the arguments themselves are never logged
     caplog.clear()
-    await refusal(lambda: build_report.kiq(user_id=1))  # a plain kiq warns, as before
-    assert [(level, "not sent" in text) for level, text in said()] == [(logging.WARNING, True)]
+    await refusal(lambda: build_report.kiq(user_id=1))  # a plain kiq is refused, at INFO
+    assert [(level, "not sent" in text) for level, text in said()] == [(logging.INFO, True)]
 
 
 async def test_join_of_a_holder_this_library_did_not_write_raises(
@@ -150,10 +151,11 @@ async def test_same_arguments_says_whether_the_holder_was_called_alike(
     caplog.clear()
     other = await refusal(lambda: charge.kiq(user_id=1, amount=99999))
     assert other.same_arguments is False
-    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert "other arguments" in warning.getMessage()
-    assert other.key in warning.getMessage()
-    assert "charge" in warning.getMessage()
+    (said,) = [r for r in caplog.records if r.name == "taskiq_deduplication.refusals"]
+    assert said.levelno == logging.INFO
+    assert "other arguments" in said.getMessage()
+    assert other.key in said.getMessage()
+    assert "charge" in said.getMessage()
     assert "99999" not in caplog.text  # never the arguments
     assert (await refusal(lambda: plain.kiq(n=1))).same_arguments is True  # a fingerprint
     # A holder sent by a version without the digest: it cannot be told.
@@ -182,11 +184,14 @@ async def test_a_lock_value_stays_61_bytes_whatever_its_key(
     await fenced.kiq()
     keys = await lock_keys(redis_client, prefix)
     assert len(keys) == 3
+    names = {plain.task_name, fields.task_name, fenced.task_name}
     for key in keys:
         value = await lock_value(redis_client, key)
         # 11 of owner token, 16 of record (time, policy), a space, 32 of task_id,
-        # and "!" while the extension is on its way (docs/performance.md).
-        assert len(value) <= 61
+        # and "!" while the extension is on its way (docs/performance.md); and
+        # the task's name after a "/", recorded by default.
+        name = next(name for name in names if f"/{name} " in value)
+        assert len(value) <= 61 + 1 + len(name)
 
 
 # Merge
@@ -210,9 +215,8 @@ async def test_twenty_merges_into_one_queued_copy_run_once_with_the_last_argumen
         assert await scripts_run(redis_client) == 1  # a merge is one round trip
     assert all(h.joined and h.task_id == first.task_id for h in handles)
     assert all(h.duplicate is not None and h.duplicate.merged for h in handles)
-    caught = await refusal(lambda: sync_profile.kiq(user_id=7, fields=["f20"]))
-    assert caught.merged
-    assert "merged" in str(caught)
+    # kiq() itself hands back the queued holder: a merged call is no refusal.
+    assert await merged_into(lambda: sync_profile.kiq(user_id=7, fields=["f20"])) == first.task_id
     assert len(broker.queued) == 1
     await broker.deliver()
     assert ran == [(7, ["f20"])]
@@ -238,7 +242,7 @@ async def test_once_the_holder_runs_a_call_is_handled_as_its_policy_says(
     async def started_sync(n: int) -> int:
         if n == 1:
             during.append(await started_sync.kiq(n=2))  # one running, one queued
-            during.append(await refusal(lambda: started_sync.kiq(n=3)))  # merged into it
+            during.append(await merged_into(lambda: started_sync.kiq(n=3)))
         return n
 
     await finished_sync.kiq(n=1)
@@ -247,8 +251,7 @@ async def test_once_the_holder_runs_a_call_is_handled_as_its_policy_says(
     refused = during[0]
     assert not refused.merged  # the holder runs: refused, not merged
     await broker.deliver_one()
-    assert during[2].merged
-    assert during[2].holder_task_id == during[1].task_id
+    assert during[2] == during[1].task_id  # merged into it
     (queued,) = broker.queued
     await broker.deliver()
     assert (await during[1].wait_result(timeout=5)).return_value == 3
@@ -265,7 +268,7 @@ async def test_merged_arguments_go_through_the_brokers_serializer(
         seen.append(payload)
 
     await store.kiq(payload={"a": 1})
-    await refusal(lambda: store.kiq(payload={"secret": "s3cr3t", "n": [1, 2]}))
+    await merged_into(lambda: store.kiq(payload={"secret": "s3cr3t", "n": [1, 2]}))
     (merged_key,) = [key async for key in redis_client.scan_iter(match=f"{prefix}#merge:*")]
     assert await redis_client.pttl(merged_key) > 0  # it never outlives the lock for long
     await broker.deliver()
@@ -294,15 +297,14 @@ async def test_merges_under_retries_run_the_latest_arguments_and_free_the_lock(
         return version
 
     first = await sync.kiq(user_id=1, version=1)
-    assert (await refusal(lambda: sync.kiq(user_id=1, version=2))).merged
+    assert await merged_into(lambda: sync.kiq(user_id=1, version=2)) == first.task_id
     version = 2
     while broker.queued:
         await broker.deliver_one()
         if broker.queued:  # a retry waits in the queue: the latest call merges into it
             version += 1
-            caught = await refusal(lambda: sync.kiq(user_id=1, version=version))  # noqa: B023
-            assert caught.merged
-            assert caught.holder_task_id == first.task_id
+            holder = await merged_into(lambda: sync.kiq(user_id=1, version=version))  # noqa: B023
+            assert holder == first.task_id
     assert runs == [(first.task_id, 2), (first.task_id, 3), (first.task_id, 4)]
     assert (await first.wait_result(timeout=5)).return_value == 4
     await dedup.shutdown()
@@ -322,7 +324,7 @@ async def test_a_requeued_merge_runs_with_the_arguments_it_ran_with(
             await context.requeue()
 
     await job.kiq(version=1)
-    await refusal(lambda: job.kiq(version=2))
+    await merged_into(lambda: job.kiq(version=2))
     await broker.deliver_one()  # runs version 2, requeues it
     assert not (await refusal(lambda: job.kiq(version=3))).merged  # claimed already
     await broker.deliver()
@@ -349,7 +351,7 @@ async def test_a_debounced_burst_runs_once_after_the_quiet_period(
     last_call = 0.0
     for revision in range(1, 6):
         await asyncio.sleep(0.05)
-        assert (await refusal(lambda: reindex.kiq(doc_id="d", revision=revision))).merged  # noqa: B023
+        await merged_into(lambda: reindex.kiq(doc_id="d", revision=revision))  # noqa: B023
         last_call = loop.time()
     assert ran == []
     await asyncio.wait_for(delivery, 5)
@@ -406,7 +408,7 @@ async def test_a_debounced_retry_runs_at_once(
     await broker.deliver_one()  # waits out the quiet period, fails; the retry is queued
     # The queued retry takes the latest call, and runs as soon as it is taken:
     # its claim at the start is one round trip, with no wake-up.
-    assert (await refusal(lambda: job.kiq(n=2))).merged
+    await merged_into(lambda: job.kiq(n=2))
     await redis_client.config_resetstat()
     await broker.deliver_one()
     assert runs == [1, 2]
@@ -673,7 +675,7 @@ async def test_a_run_whose_claim_fails_runs_with_the_arguments_it_was_sent_with(
         ran.append(n)
 
     await merged.kiq(n=1)
-    await refusal(lambda: merged.kiq(n=2))
+    await merged_into(lambda: merged.kiq(n=2))
     server.stop()
     caplog.set_level(logging.WARNING, logger="taskiq_deduplication")
     await broker.deliver()
@@ -695,7 +697,7 @@ async def test_a_merged_run_whose_lock_another_send_holds_runs_as_sent_with_a_wa
         ran.append((n, await lock.held()))
 
     await merged.kiq(n=1)
-    await refusal(lambda: merged.kiq(n=2))
+    await merged_into(lambda: merged.kiq(n=2))
     await redis_client.set(f"{prefix}:m", "other " + "0" * 32, keepttl=True)
     caplog.set_level(logging.WARNING, logger="taskiq_deduplication")
     await broker.deliver()
@@ -746,9 +748,9 @@ async def test_a_call_merges_only_into_a_message_a_broker_accepted(
     broker.gate.set()
     if accepted:
         sent = await first
-        caught = await refusal(lambda: sync_profile.kiq(user=1, name="after"))
-        assert caught.merged  # once the broker has the message, calls merge into it
-        assert caught.holder_task_id == sent.task_id == during.holder_task_id
+        # Once the broker has the message, calls merge into it.
+        holder = await merged_into(lambda: sync_profile.kiq(user=1, name="after"))
+        assert holder == sent.task_id == during.holder_task_id
         (message,) = broker.queued
         await broker.receiver.callback(message=message.message)
         assert ran == ["after"]
@@ -789,7 +791,7 @@ async def test_tasks_sharing_a_key_never_merge_into_each_other(
     caught = await refusal(lambda: purge.kiq(666))
     assert not caught.merged  # refused as a duplicate: its arguments are not export's
     assert caught.holder_task_id == sent.task_id
-    assert (await refusal(lambda: export.kiq(2))).merged  # its own task still merges
+    assert await merged_into(lambda: export.kiq(2)) == sent.task_id  # its own task merges
     await broker.deliver()
     assert ran == [("export", 2)]
     assert without_done([key async for key in redis_client.scan_iter(match=f"{prefix}[:#]*")]) == []
@@ -821,8 +823,7 @@ async def test_a_call_merges_into_a_queued_retry_under_expired(
     first = await sync.kiq(user_id=1, version=1)
     await broker.deliver_one()  # fails; its retry keeps the lock and waits in the queue
     assert len(broker.queued) == 1
-    caught = await refusal(lambda: sync.kiq(user_id=1, version=2))
-    assert caught.holder_task_id == first.task_id
-    assert caught.merged  # as under "finished": a call merges into the queued retry
+    # As under "finished": a call merges into the queued retry.
+    assert await merged_into(lambda: sync.kiq(user_id=1, version=2)) == first.task_id
     await broker.deliver()
     assert runs == [1, 2]

@@ -74,7 +74,7 @@ async def test_a_lock_records_when_it_was_taken_its_policy_and_that_its_send_wen
     assert record.policy == "expired"
     assert record.taken_ms is not None
     assert before <= record.taken_ms <= after
-    assert record.task_name is None  # not recorded unless asked: it costs memory
+    assert record.task_name == job.task_name  # recorded by default (issue 31)
     assert (record.sent, record.running, record.succeeded) == (True, False, False)
 
 
@@ -163,8 +163,8 @@ async def test_a_send_that_dies_before_the_broker_accepts_it_is_refused_as_unsen
     refused = caught.value
     assert (refused.holder_task_id, refused.holder_sent) == ("dies-mid-send", False)
     assert str(refused).endswith(f"held by 'dies-mid-send', {UNSENT_HOLDER}")
-    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert UNSENT_HOLDER in warning.getMessage()
+    (said,) = [r for r in caplog.records if r.name == "taskiq_deduplication.refusals"]
+    assert UNSENT_HOLDER in said.getMessage()
 
     caplog.clear()
     joined = await kiq_or_join(job, n=1)
@@ -301,18 +301,22 @@ async def test_a_lock_with_its_record_stays_within_200_bytes(
     """``MEMORY USAGE`` of a typical lock: a fingerprint key, a prefix as long as the default."""
     typical = f"{prefix}:ab"  # as long as "taskiq:deduplication", and cleaned up with the test's
     assert len(typical) == len("taskiq:deduplication")
-    broker = await make_broker(broker_class=HoldingBroker, key_prefix=typical)
+    for record_task_name, most in ((False, 200), (True, 232)):  # the name, 30 bytes more
+        broker = await make_broker(
+            broker_class=HoldingBroker, key_prefix=typical, record_task_name=record_task_name
+        )
 
-    @broker.task(task_name=NAME_30)
-    async def job(n: int) -> None: ...
+        @broker.task(task_name=NAME_30)
+        async def job(n: int) -> None: ...
 
-    await job.kiq(n=1)
-    (key,) = await lock_keys(redis_client, typical)
-    await wait_until(lambda: accepted(redis_client, key))
-    assert len(key) == len(typical) + 1 + 43
-    usage = await redis_client.memory_usage(key)
-    assert usage is not None
-    assert usage <= 200
+        await job.kiq(n=1)
+        (key,) = await lock_keys(redis_client, typical)
+        await wait_until(lambda: accepted(redis_client, key))  # noqa: B023
+        assert len(key) == len(typical) + 1 + 43
+        usage = await redis_client.memory_usage(key)
+        assert usage is not None
+        assert usage <= most, record_task_name
+        await redis_client.delete(key)
 
 
 async def test_the_lock_api_reads_the_record(

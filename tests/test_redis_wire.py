@@ -63,7 +63,7 @@ async def test_a_connection_the_lean_way_does_not_fit_sends_through_the_public_a
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(WIRE_ENV, raising=False)
-    caplog.set_level(logging.DEBUG, logger="taskiq_deduplication.pipeline")
+    caplog.set_level(logging.DEBUG, logger="taskiq_deduplication")
     broker = await make_broker(broker_class=HoldingBroker, client=newer_client)
 
     @broker.task

@@ -405,6 +405,19 @@ def test_a_copy_right_after_a_success_whose_end_was_lost_is_a_breach() -> None:
     assert short["ran_again"] == {report.SUCCESS_NOT_WRITTEN: 1}
 
 
+def test_a_merged_task_runs_under_started_and_its_slot_lives_the_slot_lease() -> None:
+    # "merge" is "started" with merged calls: its run slot is beside the lock, on
+    # the 10 s slot lease, not on the TTL (15 s). A copy 8 s after a success whose
+    # end met a Redis cut waited for that lease to lapse: the documented window.
+    # (The soak of 2026-12-06 classed three such copies as breaches.)
+    fp = "nats:merge:1"
+    runs = [run("a", fp, 100.5, 104.0), run("a", fp, 112.0, 113.0, pid=101)]
+    cut = fault("redis-cut", "locks", 103.5, 106.0)
+    assert verdict([kiq("a", fp, 100.0)], runs, [cut])["ran_again"] == {
+        report.SUCCESS_NOT_WRITTEN: 1
+    }
+
+
 def test_a_send_accepted_after_the_first_succeeded_is_not_let_through_by_its_copy() -> None:
     # "a" succeeded and released its lock; "b" was accepted; a late copy of "a"
     # ran after that (counted by ran_again, here after the redelivery window).

@@ -8,6 +8,7 @@ own, and modules that import each other in one direction only.
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 from typing import Final
 
@@ -127,6 +128,12 @@ def test_no_module_uses_another_modules_private_names() -> None:
 
 @pytest.mark.parametrize("path", sorted(PACKAGE.glob("*.py")), ids=lambda path: path.name)
 def test_no_module_is_longer_than_a_reader_holds_at_once(path: Path) -> None:
+    """A smell detector, not a shape (issue 33): past 550 lines a warning, past 900 a failure.
+
+    Modules are shaped by meaning; a long one is worth a look (is it still one
+    concept?), never a split of one concept in two to get under a number.
+    """
     lines = len(path.read_text("utf-8").splitlines())
-    # "About 500" (issue 22): the pipeline, the longest, is 547.
-    assert lines <= 550, f"{path.name} has {lines} lines: split it along a concern"
+    if lines > 550:
+        warnings.warn(f"{path.name} has {lines} lines: is it still one concept?", stacklevel=1)
+    assert lines <= 900, f"{path.name} has {lines} lines: more than one concept lives there"

@@ -7,7 +7,7 @@ import uuid
 
 from taskiq import InMemoryBroker
 
-from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
+from taskiq_deduplication import RedisDeduplicationMiddleware
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://localhost:6379")
 broker = InMemoryBroker().with_middlewares(
@@ -27,11 +27,9 @@ async def reindex(doc_id: str, revision: int) -> None:
 
 
 async def document_saved(doc_id: str, revision: int) -> None:
-    try:
-        await reindex.kiq(doc_id=doc_id, revision=revision)
-    except DuplicateTaskError as err:
-        if not err.merged:  # a reindex of this document runs already
-            raise
+    # Sent, or merged into the reindex that waits for the edits to settle:
+    # kiq() returns its handle either way.
+    await reindex.kiq(doc_id=doc_id, revision=revision)
 
 
 # --8<-- [end:debounce]

@@ -8,7 +8,7 @@ import uuid
 from taskiq.api import run_receiver_task
 from taskiq_redis import ListQueueBroker
 
-from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
+from taskiq_deduplication import RedisDeduplicationMiddleware
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://localhost:6379")
 RUN = uuid.uuid4().hex[:8]
@@ -31,12 +31,9 @@ async def sync_profile(user_id: int, fields: list[str]) -> None:
 
 
 async def profile_changed(user_id: int, fields: list[str]) -> None:
-    try:
-        await sync_profile.kiq(user_id=user_id, fields=fields)
-    except DuplicateTaskError as err:
-        if not err.merged:
-            raise
-        # Not sent: the queued sync will run with these fields instead.
+    # Sent, or merged into a sync still queued: either way it runs with these
+    # fields, and kiq() returns its handle. A sync that runs already refuses it.
+    await sync_profile.kiq(user_id=user_id, fields=fields)
 
 
 # --8<-- [end:merge]

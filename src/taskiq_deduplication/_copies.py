@@ -33,8 +33,7 @@ if TYPE_CHECKING:
 
     from taskiq_deduplication._execution import Execution
 
-# The middleware's logger: the hooks log under it, wherever their code lives.
-logger = logging.getLogger("taskiq_deduplication.middleware")
+logger = logging.getLogger(__name__)
 
 #: Seconds a copy of a call that succeeded waits for the call's result to be
 #: stored, before it takes it for lost: the run that succeeded stores it right

@@ -106,6 +106,9 @@ LOCK_LABELS: Final = (
     LOCK_EXCLUSIVE_LABEL,
     LOCK_FIRST_LABEL,
 )
+#: On a call merged into its queued holder: the holder's task_id. Such a message
+#: is handed back to ``kiq`` as the holder's and never reaches the broker.
+MERGED_INTO_LABEL: Final = "_deduplication_merged_into"
 #: Between the key prefix and the name of a key beside the locks (merge, fence).
 SIDE_SEPARATOR: Final = "#"
 # The kinds of key beside a lock that belong to it: released with it.

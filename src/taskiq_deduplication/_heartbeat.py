@@ -24,8 +24,7 @@ from taskiq_deduplication.exceptions import REDIS_ERRORS
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-# Named for what it logs, not for the private module it lives in.
-logger = logging.getLogger("taskiq_deduplication.heartbeat")
+logger = logging.getLogger(__name__)
 
 # How soon a refresh that failed on a Redis error is tried again, at the most.
 _RETRY_AFTER = 1.0

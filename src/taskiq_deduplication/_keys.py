@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from taskiq_deduplication._settings import SendOptions
 
 # Its warnings are the middleware's: they are about a send.
-logger = logging.getLogger("taskiq_deduplication.middleware")
+logger = logging.getLogger(__name__)
 
 
 def lock_key_of(prefix: str, message: TaskiqMessage, send: SendOptions) -> str:

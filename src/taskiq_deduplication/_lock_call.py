@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from taskiq_deduplication._redis_wire import Command
 
 # The pipeline's logger: it logs what becomes of the calls.
-logger = logging.getLogger("taskiq_deduplication.pipeline")
+logger = logging.getLogger(__name__)
 
 # Seconds between two warnings about calls dropped because the queue was full.
 _DROP_WARNING_INTERVAL: Final = 10.0

@@ -24,7 +24,7 @@ from taskiq_deduplication.events import LockEvent, LockEventKind
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-logger = logging.getLogger("taskiq_deduplication.metrics")
+logger = logging.getLogger(__name__)
 
 _SENDS: Final = {
     LockEventKind.LOCKED: "locked",

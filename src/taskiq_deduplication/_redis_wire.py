@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from redis.asyncio.connection import ConnectionPool
 
 # The pipeline's logger: what this module says is about the lock pipeline.
-logger = logging.getLogger("taskiq_deduplication.pipeline")
+logger = logging.getLogger(__name__)
 
 
 Command = tuple[Any, ...]

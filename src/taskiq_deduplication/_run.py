@@ -47,8 +47,7 @@ if TYPE_CHECKING:
     from taskiq_deduplication._settings import Options
     from taskiq_deduplication.events import EventSink
 
-# The middleware's logger: the hooks log under it, wherever their code lives.
-logger = logging.getLogger("taskiq_deduplication.middleware")
+logger = logging.getLogger(__name__)
 
 _VERBS: Final = {Step.REASSERT: "re-assert", Step.REMEMBER: "release", Step.RELEASE: "release"}
 # What claim.lua does at the start of a run, for each policy's step.

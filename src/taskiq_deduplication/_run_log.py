@@ -26,8 +26,7 @@ if TYPE_CHECKING:
     from taskiq_deduplication._store import Lock
     from taskiq_deduplication.events import EventSink
 
-# The middleware's logger: the hooks log under it, wherever their code lives.
-logger = logging.getLogger("taskiq_deduplication.middleware")
+logger = logging.getLogger(__name__)
 
 # What a run that could not claim its lock at its start does.
 _NOT_BEGUN: Final = (

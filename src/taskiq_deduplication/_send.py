@@ -19,10 +19,11 @@ from redis.asyncio.cluster import RedisCluster
 from taskiq import TaskiqMessage
 
 from taskiq_deduplication import _keys as keys
-from taskiq_deduplication import _refusals
 from taskiq_deduplication import _settings as settings
+from taskiq_deduplication import refusals
 from taskiq_deduplication._execution import Execution, Executions, Resent
 from taskiq_deduplication._formats import (
+    MERGED_INTO_LABEL,
     NO_OWNER,
     RecordedLock,
     drop_lock_labels,
@@ -56,8 +57,7 @@ if TYPE_CHECKING:
     from taskiq_deduplication._settings import Options
     from taskiq_deduplication.events import EventSink
 
-# The middleware's logger: the hooks log under it, wherever their code lives.
-logger = logging.getLogger("taskiq_deduplication.middleware")
+logger = logging.getLogger(__name__)
 
 #: How long the lock of a send in flight lives before the broker accepts it.
 GRACE_TTL: Final = 10
@@ -108,19 +108,9 @@ class Sends:
         if acquired is None:  # Redis failed, and fail_open lets the send go
             return self._without_lock(message, running, key, send)
         if acquired.holder is not None:
-            holder_id = holder_task_id(acquired.holder)
-            if earlier is not None and policy.retry is RetrySend.TAKE_IF_FREE:
-                logger.info(
-                    "Retry of task %s (%s) sent without a lock: task %s, queued "
-                    "meanwhile, holds lock %r",
-                    message.task_name,
-                    message.task_id,
-                    holder_id,
-                    key,
-                )
-                self._outcome(LockEventKind.OFF, message, key, holder_id)
-                return self._without_lock(message, running, key, send)
-            raise self._refusal(message, key, acquired.holder, acquired, digest=digest, send=send)
+            return self._held(
+                message, running, earlier, acquired, key=key, digest=digest, send=send
+            )
         if acquired.token is not None:  # its record's time is the server's
             lock = dataclasses.replace(lock, token=acquired.token)
         if earlier is not None:
@@ -336,6 +326,40 @@ class Sends:
                 exc,
             )
 
+    def _held(  # noqa: PLR0913 (the send as pre_send has it, each named)
+        self,
+        message: TaskiqMessage,
+        running: Execution | None,
+        earlier: Lock | None,
+        acquired: Acquired,
+        *,
+        key: str,
+        digest: str | None,
+        send: settings.SendOptions,
+    ) -> TaskiqMessage:
+        """What a send whose lock another holds becomes: refused, merged, or (a retry) sent bare.
+
+        Raises:
+            DuplicateTaskError: The call is refused.
+        """
+        assert acquired.holder is not None  # noqa: S101 (the caller checks)
+        holder_id = holder_task_id(acquired.holder)
+        if earlier is not None and send.policy.retry is RetrySend.TAKE_IF_FREE:
+            logger.info(
+                "Retry of task %s (%s) sent without a lock: task %s, queued "
+                "meanwhile, holds lock %r",
+                message.task_name,
+                message.task_id,
+                holder_id,
+                key,
+            )
+            self._outcome(LockEventKind.OFF, message, key, holder_id)
+            return self._without_lock(message, running, key, send)
+        refused = self._refusal(message, key, acquired.holder, acquired, digest=digest, send=send)
+        if refused.merged and refused.holder_task_id is not None:
+            return _merged_into(message, refused)
+        raise refused
+
     def _refusal(  # noqa: PLR0913 (what the refusal says, each named)
         self,
         message: TaskiqMessage,
@@ -358,47 +382,25 @@ class Sends:
             sent = False
         state = f", {UNSENT_HOLDER}" if sent is False else ""
         if merged:
-            logger.info(
-                "Task %s (%s) not sent: its arguments replaced those of task %s, "
-                "queued with lock %r",
-                message.task_name,
-                message.task_id,
-                holder_id,
-                key,
-            )
+            refusals.merged(message.task_name, message.task_id, holder_id, key)
             self._outcome(LockEventKind.MERGED, message, key, holder_id)
         else:
             # A caller that joins the holder asked for this: a join is its own
-            # outcome, no warning, whatever its other arguments (with key
-            # fields, that they differ is the point).
+            # outcome, whatever its other arguments (with key fields, that they
+            # differ is the point).
             marker = joining.get()
             joined = holder_id is not None and marker == []
             if marker == []:
                 marker.append(True)
-            handled = _refusals.HANDLED.get()  # a caller that logs the refusal itself
             if joined:
-                logger.log(
-                    logging.DEBUG if handled else logging.INFO,
-                    "Task %s (%s) joined task %s%s, which holds lock %r%s",
-                    message.task_name,
-                    message.task_id,
-                    holder_id,
-                    state,
-                    key,
-                    " (its own arguments differ)" if same is False else "",
-                )
+                why = " (its own arguments differ)" if same is False else ""
+                holder = f"{holder_id}{state}"
+                refusals.joined(message.task_name, message.task_id, holder, key, why=why)
                 self._outcome(LockEventKind.JOINED, message, key, holder_id, holder_sent=sent)
             else:
-                logger.log(
-                    logging.DEBUG if handled else logging.WARNING,
-                    "Task %s (%s) not sent: a duplicate of task %s%s, which holds lock %r%s",
-                    message.task_name,
-                    message.task_id,
-                    holder_id,
-                    state,
-                    key,
-                    " with other arguments" if same is False else "",
-                )
+                why = " with other arguments" if same is False else ""
+                holder = f"{holder_id}{state}"
+                refusals.refused(message.task_name, message.task_id, holder, key, why=why)
                 self._outcome(LockEventKind.DUPLICATE, message, key, holder_id, holder_sent=sent)
         return DuplicateTaskError(
             message.task_name,
@@ -490,6 +492,24 @@ class Sends:
         )
         write_lock_labels(message.labels, recorded, message.task_id)
         return merge is not None
+
+
+def _merged_into(message: TaskiqMessage, merged: DuplicateTaskError) -> TaskiqMessage:
+    """The message of a call merged into its queued holder: the holder's, not to be sent again.
+
+    The call is not refused: it runs, as the holder, with its arguments. So
+    ``kiq()`` returns as for any send, with a handle of the holder's task_id
+    (its result is the call's), and the broker's ``kick`` sends nothing
+    (`MERGED_INTO_LABEL`). `kiq_or_join` reads the merge from ``joining``.
+    """
+    assert merged.holder_task_id is not None  # noqa: S101 (the caller checks)
+    drop_lock_labels(message.labels)
+    message.labels[MERGED_INTO_LABEL] = merged.holder_task_id
+    message.task_id = merged.holder_task_id
+    marker = joining.get()
+    if marker is not None:
+        marker.append(merged)
+    return message
 
 
 def _lock_of(message: TaskiqMessage) -> Lock | None:

@@ -113,6 +113,7 @@ def read_send_options(labels: Mapping[str, Any], defaults: Defaults) -> SendOpti
         ValueError: A label has a value that is not valid, alone or with the
             others; the message names the label and the value.
     """
+    _check_known(labels)
     enabled = labels.get(ENABLED_LABEL)
     if not (
         defaults.enabled
@@ -207,14 +208,11 @@ def check_task_labels(tasks: Iterable[tuple[str, Mapping[str, Any]]], defaults: 
     """
     problems: list[str] = []
     for name, task_labels in tasks:
-        found: list[str] = []
-        for label in task_labels:
-            if label.startswith(_USER_LABEL_PREFIX) and label not in USER_LABELS:
-                close = difflib.get_close_matches(label, USER_LABELS, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                found.append(f"unknown label {label!r}{hint}")
+        found = [_unknown(label) for label in task_labels if _is_unknown(label)]
         try:
-            read_send_options(task_labels, defaults)
+            read_send_options(
+                {k: v for k, v in task_labels.items() if not _is_unknown(k)}, defaults
+            )
         except ValueError as exc:
             found.append(str(exc))
         problems += (f"  {name}: {problem}" for problem in found)
@@ -222,6 +220,23 @@ def check_task_labels(tasks: Iterable[tuple[str, Mapping[str, Any]]], defaults: 
         count = len(problems)
         msg = f"{count} bad deduplication label{'s' if count > 1 else ''}:\n" + "\n".join(problems)
         raise InvalidSettingError(msg)
+
+
+def _is_unknown(label: str) -> bool:
+    """Whether ``label`` reads like one of ours but is none of them: a typo."""
+    return label.startswith(_USER_LABEL_PREFIX) and label not in USER_LABELS
+
+
+def _unknown(label: str) -> str:
+    close = difflib.get_close_matches(label, USER_LABELS, n=1)
+    return f"unknown label {label!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+
+
+def _check_known(labels: Mapping[str, Any]) -> None:
+    """Refuse a send with a label that reads like ours but is none of them (a typo)."""
+    for label in labels:
+        if _is_unknown(label):
+            raise InvalidSettingError(_unknown(label))
 
 
 def read_running_ttl(labels: Mapping[str, Any], *, default: int | None) -> int | None:

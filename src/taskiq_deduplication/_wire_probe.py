@@ -24,7 +24,7 @@ except ImportError:  # a redis-py that reads otherwise: the probe picks the publ
     async_timeout = None
 
 # The pipeline's logger: what this module says is about the lock pipeline.
-logger = logging.getLogger("taskiq_deduplication.pipeline")
+logger = logging.getLogger(__name__)
 
 #: The environment variable that forces the public way (see ``_redis_wire.py``).
 WIRE_ENV: Final = "TASKIQ_DEDUP_REDIS_WIRE"

@@ -41,7 +41,7 @@ T = TypeVar("T")
 #: it is logged as no warning. Spent once the send is over, so that a task the
 #: send started in this process (InMemoryBroker), which inherits the context,
 #: does not count as joining.
-joining: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
+joining: contextvars.ContextVar[list[object] | None] = contextvars.ContextVar(
     "taskiq_deduplication_joining", default=None
 )
 
@@ -97,7 +97,8 @@ async def kiq_or_join(task: Any, *args: Any, **kwargs: Any) -> JoinedTask[Any]:
     and returns a handle of the holder instead of raising: with a shared result
     backend, ``await handle.wait_result()`` gives the winner's result. A call
     merged into a queued holder (``deduplication_merge="latest"``, a debounce)
-    is joined the same way.
+    is joined too (``kiq()`` itself returns the holder's handle then): its
+    ``duplicate.merged`` says so.
 
     Example:
         ```python
@@ -119,7 +120,7 @@ async def kiq_or_join(task: Any, *args: Any, **kwargs: Any) -> JoinedTask[Any]:
     """
     kicker: AsyncKicker[Any, Any] = task if isinstance(task, AsyncKicker) else task.kicker()
     backend = kicker.broker.result_backend
-    marker: list[bool] = []
+    marker: list[object] = []
     token = joining.set(marker)
     try:
         sent = await kicker.kiq(*args, **kwargs)
@@ -130,7 +131,9 @@ async def kiq_or_join(task: Any, *args: Any, **kwargs: Any) -> JoinedTask[Any]:
     finally:
         marker.append(True)
         joining.reset(token)
-    return JoinedTask(sent.task_id, backend)
+    # A call merged into its queued holder returns the holder's handle from kiq().
+    merged = next((m for m in marker if isinstance(m, DuplicateTaskError)), None)
+    return JoinedTask(sent.task_id, backend, duplicate=merged)
 
 
 class TaskLock:

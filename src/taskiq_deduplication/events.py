@@ -54,7 +54,7 @@ class LockEventKind(str, enum.Enum):
     MERGED = "merged"
     """The send was not made: with ``deduplication_merge="latest"`` its arguments
     replaced those of the queued task that holds the lock, named by
-    ``holder_task_id``; ``kiq`` raises ``DuplicateTaskError`` with ``merged=True``."""
+    ``holder_task_id``; ``kiq`` returns a handle of that task, which runs with them."""
     JOINED = "joined"
     """The send was not made: ``kiq_or_join`` found the lock held and hands back
     a handle of the task that holds it, named by ``holder_task_id``."""

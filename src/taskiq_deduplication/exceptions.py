@@ -51,7 +51,10 @@ class DuplicateTaskError(DeduplicationError):
             names no task.
         merged (bool): Whether the call's arguments replaced those of the
             holder, which was still queued (``deduplication_merge="latest"``
-            or a debounce): the call will run, as the holder.
+            or a debounce): the call will run, as the holder. Such a call is
+            not refused: ``kiq()`` returns the holder's handle, and this error
+            is only what a [JoinedTask][taskiq_deduplication.JoinedTask]
+            keeps as its ``duplicate``.
         same_arguments (bool | None): Whether the call's full arguments equal
             those the holder was sent with. Always ``True`` for a lock keyed
             on the call's fingerprint; for a lock under an explicit key or key

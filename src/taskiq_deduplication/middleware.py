@@ -23,7 +23,7 @@ from taskiq_deduplication import _tracing as tracing
 from taskiq_deduplication._client import check_connection, client_from_url
 from taskiq_deduplication._copies import watch_deliveries
 from taskiq_deduplication._execution import Executions, follow_runs
-from taskiq_deduplication._formats import DEFAULT_PREFIX, DEFAULT_UNTIL
+from taskiq_deduplication._formats import DEFAULT_PREFIX, DEFAULT_UNTIL, MERGED_INTO_LABEL
 from taskiq_deduplication._loops import LoopStates, register_states
 from taskiq_deduplication._metrics import Metrics, process_metrics
 from taskiq_deduplication._pending import PendingSends
@@ -85,7 +85,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         client: Redis | RedisCluster | None = None,
         metrics: bool = True,
         default_exclusive: bool = True,
-        record_task_name: bool = False,
+        record_task_name: bool = True,
         redelivery_window: int = settings.DEFAULT_REDELIVERY_WINDOW,
     ) -> None:
         """Configure the middleware; nothing connects until the broker starts.
@@ -135,13 +135,14 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 broker delivered again, a call queued under ``"started"``) waits
                 for it to end or for its lease to lapse; a copy of a run that
                 succeeded does not run its body again.
-            record_task_name: Whether each lock records its task's name, for
-                `taskiq dedup list` and ``show`` to tell. Every lock records
-                when it was taken, its policy and whether a broker accepted its
-                send; the name costs its length in every lock's value (and in
-                the message's owner label): a lock of a 30-character name takes
-                216 bytes instead of 184 on Redis 7 (see
-                [Performance](performance.md)).
+            record_task_name: Whether each lock records its task's name (the
+                default), so that `taskiq dedup list`, ``show`` and the locks
+                page can say whose it is. Every lock records when it was taken,
+                its policy and whether a broker accepted its send; the name
+                costs its length in every lock's value (and in the message's
+                owner label): a lock of a 30-character name takes 216 bytes
+                instead of 184 on Redis 7 (see [Performance](performance.md)).
+                ``False`` leaves it out.
             redelivery_window: Seconds a call whose run succeeded is remembered,
                 so that a copy of its message that the broker delivers again
                 (a lost acknowledgement, a reclaim, ``ack_wait``) does not run:
@@ -192,6 +193,8 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             exclusive=self.default_exclusive,
         )
         self.metrics = settings.check_bool("metrics", metrics)
+        # Whether the registered tasks' labels were checked (at startup, or at the first kiq).
+        self._tasks_checked = False
         self._events = EventSink()
         self._metrics: Metrics | None = None
         self._states = LoopStates(self._new_client, self._events, lambda: self._metrics)
@@ -295,11 +298,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 the last error is chained.
         """
         broker = getattr(self, "broker", None)
-        if broker is not None:
-            tasks = broker.get_all_tasks()
-            settings.check_task_labels(
-                ((name, task.labels) for name, task in tasks.items()), self._defaults
-            )
+        self._check_tasks()
         self._observe(broker)
         state = await self._states.current()
         for attempt in range(self.startup_retries):
@@ -346,13 +345,17 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
 
         Raises:
             DuplicateTaskError: Another send holds the lock.
-            ValueError: A deduplication label has an invalid value.
+            ValueError: A deduplication label has an invalid value, or is
+                unknown (a typo); on a broker that was not started, a
+                registered task's labels are checked at the first send.
             UnfingerprintableError: The arguments cannot be fingerprinted (a
                 ``TypeError``).
             redis.exceptions.RedisError: Redis failed and ``fail_open`` is off (a
                 cluster client that reaches no node raises
                 ``redis.exceptions.RedisClusterException`` instead).
         """
+        if not self._tasks_checked:
+            self._check_tasks()  # a broker used without startup(): check at the first kiq
         return await self._sends.pre_send(message)
 
     async def post_send(self, message: TaskiqMessage) -> None:
@@ -397,6 +400,16 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
 
     # The parts
 
+    def _check_tasks(self) -> None:
+        """Check every registered task's labels once, as its sends will (see `startup`)."""
+        broker = getattr(self, "broker", None)
+        if broker is not None:
+            tasks = broker.get_all_tasks()
+            settings.check_task_labels(
+                ((name, task.labels) for name, task in tasks.items()), self._defaults
+            )
+        self._tasks_checked = True
+
     def _observe(self, broker: AsyncBroker | None) -> None:
         """Record metrics and annotate send spans from now on, where they are available."""
         if self.metrics and self._metrics is None:
@@ -425,6 +438,9 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
 def _watch_kick(broker: AsyncBroker, refused: Callable[[BrokerMessage, Exception], None]) -> None:
     """Tell ``refused`` of every message ``broker.kick`` fails to send, then raise as it did.
 
+    A call merged into its queued holder is not sent at all: the holder's
+    message runs with its arguments.
+
     taskiq's ``kiq`` turns that failure into ``SendTaskError`` and calls no
     middleware hook: this wrapper of the broker's own ``kick`` (on the
     instance, as taskiq calls it) is the one place that sees it.
@@ -432,6 +448,8 @@ def _watch_kick(broker: AsyncBroker, refused: Callable[[BrokerMessage, Exception
     kick = broker.kick
 
     async def watched_kick(message: BrokerMessage) -> None:
+        if MERGED_INTO_LABEL in message.labels:
+            return  # merged into its queued holder: the holder's message carries it
         try:
             await kick(message)
         except Exception as exc:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from taskiq import ScheduleSource, TaskiqScheduler
 from taskiq.exceptions import ScheduledTaskCancelledError
 
-from taskiq_deduplication import _refusals
+from taskiq_deduplication import refusals
 from taskiq_deduplication._formats import holder_task_id, new_token
 from taskiq_deduplication._loops import states_of
 from taskiq_deduplication._store import Lock
@@ -172,7 +172,7 @@ class DeduplicatedScheduleSource(ScheduleSource):
         # Sent by taskiq's scheduler, in an asyncio task of its own that nobody
         # awaits: how the send ends is told when that task ends. The context is
         # the send's own, so the flag is for this send only.
-        _refusals.HANDLED.set(True)
+        refusals.HANDLED.set(True)
         current = asyncio.current_task()
         if current is not None:
             current.add_done_callback(self._ended(task, send))
@@ -387,7 +387,7 @@ class DeduplicationScheduler(TaskiqScheduler):
             source: The schedule source of the schedule.
             task: The schedule that is due.
         """
-        handled = _refusals.HANDLED.set(True)
+        handled = refusals.HANDLED.set(True)
         inside = _IN_SCHEDULER.set(True)
         taken = _TAKEN.set(None)
         try:
@@ -410,7 +410,7 @@ class DeduplicationScheduler(TaskiqScheduler):
         finally:
             _TAKEN.reset(taken)
             _IN_SCHEDULER.reset(inside)
-            _refusals.HANDLED.reset(handled)
+            refusals.HANDLED.reset(handled)
 
     def _with_tick_locks(self, source: ScheduleSource) -> ScheduleSource:
         """``source``, wrapped so that its ticks take tick locks (once per source)."""

@@ -553,12 +553,10 @@ async def _joined(task: Any, n: int) -> None:
 
 async def _merged(kick: Any, n: int) -> None:
     try:
-        await kick(n, 2)
+        await kick(n, 2)  # merged into the queued holder: no refusal
     except DuplicateTaskError as exc:
-        if exc.merged:
-            return
-    msg = "the duplicate's arguments were not merged"
-    raise AssertionError(msg)
+        msg = "the duplicate's arguments were not merged"
+        raise AssertionError(msg) from exc
 
 
 async def _refused(kick: Kick, n: int) -> None:

@@ -138,13 +138,15 @@ class Sender:
                     .with_task_id(task_id)
                     .kiq(fp=call.fp, ms=call.ms, fails=call.fails)
                 )
-            await asyncio.wait_for(sending, HARD_CAP)
+            sent = await asyncio.wait_for(sending, HARD_CAP)
         except DuplicateTaskError as exc:
-            outcome, holder = "merged" if exc.merged else "duplicate", exc.holder_task_id
+            outcome, holder = "duplicate", exc.holder_task_id
         except Exception as exc:  # noqa: BLE001 (every failure is an outcome to count)
             outcome, error = "error", f"{type(exc).__name__}: {exc}"[:300]
         else:
-            outcome = "accepted"
+            # A call merged into its queued holder is handed the holder back.
+            merged = sent.task_id != task_id
+            outcome, holder = ("merged", sent.task_id) if merged else ("accepted", holder)
         done = time.monotonic()
         lock_s = (taken[0] if taken else done) - t0
         self.rows.append(

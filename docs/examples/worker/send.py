@@ -21,6 +21,8 @@ async def sign_up(user_id: int) -> None:
 
 async def main() -> None:
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    # Refusals are INFO on a logger of their own: show them here.
+    logging.getLogger("taskiq_deduplication.refusals").setLevel(logging.INFO)
     await broker.startup()  # the middleware connects to Redis here
     try:
         await asyncio.gather(sign_up(user_id=42), sign_up(user_id=42))
