@@ -613,7 +613,8 @@ def _make_broker(config: SoakConfig, kind: str) -> AsyncBroker:
             subject=name,
             stream_name=name,
             durable=name,
-            pull_consume_timeout=0.5,
+            # No pull timeout: with one, a worker stopping on Python 3.11 can
+            # wait for the next message (tests/e2e/test_nats_stop.py).
             consumer_config=ConsumerConfig(durable_name=name, ack_wait=ACK_WAIT),
             max_reconnect_attempts=-1,
             reconnect_time_wait=1,
