@@ -482,19 +482,7 @@ async def test_arguments_that_raise_no_result_error_when_unpacked_end_the_run_un
     broker = InMemoryBroker().with_middlewares(Skip(), _retry(retry_class))
     bodies: list[int] = []
 
-    if sync:
-
-        @broker.task(retry_on_error=True)
-        def body(n: int) -> int:
-            bodies.append(n)
-            return n
-
-    else:
-
-        @broker.task(retry_on_error=True)
-        async def body(n: int) -> int:
-            bodies.append(n)
-            return n
+    body = _counted_body(broker, bodies, sync=sync)
 
     acked: list[bool] = []
 
@@ -558,19 +546,7 @@ async def test_the_receiver_finds_the_task_before_pre_execute_and_calls_it_after
     broker.find_task = find_task  # type: ignore[method-assign,assignment]
     bodies: list[int] = []
 
-    if sync:
-
-        @broker.task(retry_on_error=True)
-        def body(n: int) -> int:
-            bodies.append(n)
-            return n
-
-    else:
-
-        @broker.task(retry_on_error=True)
-        async def body(n: int) -> int:
-            bodies.append(n)
-            return n
+    body = _counted_body(broker, bodies, sync=sync)
 
     original = body.original_func
     acked: list[bool] = []
@@ -594,3 +570,22 @@ async def test_the_receiver_finds_the_task_before_pre_execute_and_calls_it_after
         assert body.original_func is original, "the registered task was changed"
     finally:
         await broker.shutdown()
+
+
+def _counted_body(broker: InMemoryBroker, bodies: list[int], *, sync: bool) -> Any:
+    """A task, sync or async, retried on error, whose body appends its argument to ``bodies``."""
+    if sync:
+
+        @broker.task(retry_on_error=True)
+        def body(n: int) -> int:
+            bodies.append(n)
+            return n
+
+        return body
+
+    @broker.task(retry_on_error=True)
+    async def async_body(n: int) -> int:
+        bodies.append(n)
+        return n
+
+    return async_body

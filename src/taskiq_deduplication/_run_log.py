@@ -80,42 +80,31 @@ def waits(events: EventSink, execution: Execution, message: TaskiqMessage, slot:
 
 def skipped(events: EventSink, execution: Execution, message: TaskiqMessage, slot: str) -> None:
     """Say that a delivery does not run: its run succeeded, or a retry carries it on."""
-    logger.info(
-        "Task %s (%s) not run: the broker delivered it again, and %s (lock %r)",
-        message.task_name,
-        message.task_id,
-        "its run succeeded"
-        if slot.startswith(SUCCEEDED_MARK)
-        else "a retry of it took its lock over",
-        execution.lock.key,
-    )
-    events.emit(
-        LockEventKind.SKIPPED,
-        message.task_name,
-        message.task_id,
-        execution.lock.key,
-        holder_task_id(slot),
-    )
+    succeeded = slot.startswith(SUCCEEDED_MARK)
+    why = "its run succeeded" if succeeded else "a retry of it took its lock over"
+    _not_run(events, execution, message, why, holder_task_id(slot))
 
 
 def copy_of_success(
     events: EventSink, execution: Execution, message: TaskiqMessage, options: Options
 ) -> None:
     """Say that a delivery does not run: a run of its call succeeded already."""
+    why = f"its call succeeded (remembered for {options.redelivery_window}s, the redelivery window)"
+    _not_run(events, execution, message, why, message.task_id)
+
+
+def _not_run(
+    events: EventSink, execution: Execution, message: TaskiqMessage, why: str, holder: str | None
+) -> None:
     logger.info(
-        "Task %s (%s) not run: the broker delivered it again after its run succeeded "
-        "(remembered for %ds, the redelivery window; lock %r)",
+        "Task %s (%s) not run: the broker delivered it again, and %s (lock %r)",
         message.task_name,
         message.task_id,
-        options.redelivery_window,
+        why,
         execution.lock.key,
     )
     events.emit(
-        LockEventKind.SKIPPED,
-        message.task_name,
-        message.task_id,
-        execution.lock.key,
-        message.task_id,
+        LockEventKind.SKIPPED, message.task_name, message.task_id, execution.lock.key, holder
     )
 
 
