@@ -681,9 +681,7 @@ def _make_broker(config: Config) -> AsyncBroker:
         subject=config.name,
         stream_name=config.name,
         durable=config.name,
-        # No pull timeout: with one, nats-py can lose the receiver's cancel at
-        # shutdown on Python 3.11 and the worker waits for the next message
-        # (tests/e2e/test_nats_stop.py, docs/testing.md).
+        pull_consume_timeout=0.5,
         consumer_config=consumer,
     )
 

@@ -613,8 +613,7 @@ def _make_broker(config: SoakConfig, kind: str) -> AsyncBroker:
             subject=name,
             stream_name=name,
             durable=name,
-            # No pull timeout: with one, a worker stopping on Python 3.11 can
-            # wait for the next message (tests/e2e/test_nats_stop.py).
+            pull_consume_timeout=0.5,
             consumer_config=ConsumerConfig(durable_name=name, ack_wait=ACK_WAIT),
             max_reconnect_attempts=-1,
             reconnect_time_wait=1,
