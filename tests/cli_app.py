@@ -20,6 +20,10 @@ broker = InMemoryBroker().with_middlewares(
         redis_url=os.environ.get("DEDUP_CLI_REDIS_URL")
         or os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
         key_prefix=os.environ.get("DEDUP_CLI_PREFIX", "cli-app"),
+        # Its tasks run while the commands release their locks: no running
+        # lease, so that the heartbeat (every 100 s, not every 10) does not
+        # take a released lock back before the test looks.
+        running_ttl=0,
     )
 )
 finish = asyncio.Event()
