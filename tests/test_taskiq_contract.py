@@ -484,18 +484,8 @@ async def test_arguments_that_raise_no_result_error_when_unpacked_end_the_run_un
 
     body = _counted_body(broker, bodies, sync=sync)
 
-    acked: list[bool] = []
-
-    async def ack() -> None:
-        acked.append(True)
-
-    message = broker.formatter.dumps(
-        TaskiqMessage(task_id="t1", task_name=body.task_name, labels={}, args=["5"], kwargs={})
-    ).message
-    await broker.startup()
     try:
-        await broker.receiver.callback(message=AckableMessage(data=message, ack=ack))
-        await drain(broker)
+        acked = await _delivered_once(broker, body.task_name)
         assert bodies == [], "the body ran although its arguments raised NoResultError"
         assert not await broker.result_backend.is_result_ready("t1"), "a result was set"
         assert acked == [True], "the message was not acknowledged"
@@ -549,18 +539,8 @@ async def test_the_receiver_finds_the_task_before_pre_execute_and_calls_it_after
     body = _counted_body(broker, bodies, sync=sync)
 
     original = body.original_func
-    acked: list[bool] = []
-
-    async def ack() -> None:
-        acked.append(True)
-
-    message = broker.formatter.dumps(
-        TaskiqMessage(task_id="t1", task_name=body.task_name, labels={}, args=["5"], kwargs={})
-    ).message
-    await broker.startup()
     try:
-        await broker.receiver.callback(message=AckableMessage(data=message, ack=ack))
-        await drain(broker)
+        acked = await _delivered_once(broker, body.task_name)
         assert found, "the receiver no longer looks the task up with broker.find_task"
         assert bodies == [], "the receiver called a function it looked up before pre_execute"
         assert errors == [], "a run that returned was reported as an error"
@@ -589,3 +569,19 @@ def _counted_body(broker: InMemoryBroker, bodies: list[int], *, sync: bool) -> A
         return n
 
     return async_body
+
+
+async def _delivered_once(broker: InMemoryBroker, task_name: str) -> list[bool]:
+    """Start ``broker`` and deliver ``task_name(5)`` once, as ``t1``; its acknowledgements."""
+    acked: list[bool] = []
+
+    async def ack() -> None:
+        acked.append(True)
+
+    message = broker.formatter.dumps(
+        TaskiqMessage(task_id="t1", task_name=task_name, labels={}, args=["5"], kwargs={})
+    ).message
+    await broker.startup()
+    await broker.receiver.callback(message=AckableMessage(data=message, ack=ack))
+    await drain(broker)
+    return acked

@@ -392,14 +392,13 @@ class Sends:
             joined = holder_id is not None and marker == []
             if marker == []:
                 marker.append(True)
+            holder = f"{holder_id}{state}"
             if joined:
                 why = " (its own arguments differ)" if same is False else ""
-                holder = f"{holder_id}{state}"
                 refusals.joined(message.task_name, message.task_id, holder, key, why=why)
                 self._outcome(LockEventKind.JOINED, message, key, holder_id, holder_sent=sent)
             else:
                 why = " with other arguments" if same is False else ""
-                holder = f"{holder_id}{state}"
                 refusals.refused(message.task_name, message.task_id, holder, key, why=why)
                 self._outcome(LockEventKind.DUPLICATE, message, key, holder_id, holder_sent=sent)
         return DuplicateTaskError(
