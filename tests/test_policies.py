@@ -163,6 +163,42 @@ async def test_round_trips_of_each_policy(
     assert running_beats(dedup_middleware(broker)) == []
 
 
+@pytest.mark.parametrize(
+    ("policy", "exclusive", "scripts"),
+    [
+        # acquire, then the run inside kiq(), then the send's extension, unless
+        # the run already replaced or ended the send's lock:
+        ("finished", True, 3),  # the claim put the run token in the send's place
+        ("finished", False, 3),  # the release ended it
+        ("finished+success_ttl", True, 3),
+        ("finished+success_ttl", False, 3),  # kept for the success TTL, not stretched
+        ("started", True, 3),  # the claim released it
+        ("started", False, 2),  # released at start
+        ("expired", True, 4),  # the lock is still the send's: it gets its full TTL
+        ("expired", False, 2),  # nothing at the start, the lock's TTL said at the send
+    ],
+)
+async def test_a_run_inside_kiq_leaves_out_the_extension_it_made_pointless(
+    make_broker: BrokerFactory,
+    redis_client: redis.asyncio.Redis,
+    policy: str,
+    exclusive: bool,
+    scripts: int,
+) -> None:
+    """An in-process broker runs the task inside ``kiq``, before the send's post_send."""
+    broker = await make_broker(await_inplace=True)
+
+    @broker.task(task_name=None, deduplication_exclusive=exclusive, **POLICIES[policy])
+    async def job(n: int) -> None: ...
+
+    await redis_client.config_resetstat()
+    await job.kiq(n=1)
+    await dedup_middleware(broker).shutdown()  # sends what is queued
+    stats = await redis_client.info("commandstats")
+    sent = sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("evalsha", "eval"))
+    assert sent == scripts
+
+
 class _RoundTripsAtTheEnd(TaskiqMiddleware):
     """Put first: the round trips made by the time the deduplication middleware ended a run."""
 

@@ -306,6 +306,11 @@ class Runs:
         """Take in what the claim found as the run begins: its slot, fence, lock, arguments."""
         lease = execution.lease
         execution.run = run
+        if (run is not None and run.key == lease.key) or execution.policy.at_start is Step.RELEASE:
+            # The claim put its run token in place of the send's, or released the
+            # lock: the send's extension, still to come when an in-process broker
+            # runs the task inside kiq(), would find another owner. It is not sent.
+            self._pending.end(execution.lock)
         if claimed.fence is not None:
             execution.fence = claimed.fence
         if recorded.token == NO_OWNER:
