@@ -168,3 +168,30 @@ async def _holders(client: redis.asyncio.Redis, prefix: str) -> list[str]:
     return [
         str(await client.get(key)).rpartition(" ")[2] for key in await lock_keys(client, prefix)
     ]
+
+
+async def test_a_send_in_a_loop_takes_the_last_sends_extension_along_in_its_own_write(
+    store: tuple[LockStore, list[float]],
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+    redis_wire: str,
+) -> None:
+    """The extension after a send goes with the next call of the same turn: one write, not two.
+
+    Redis counts a read event per write it finds on a connection: a caller that
+    sends in a loop costs one per send (and one for the last extension), not
+    two. (redis-py's public API yields on every write: there each goes alone.)
+    """
+    locks, _ = store
+    await _taken(locks, prefix, "warm")  # the connection is open
+    sends = 50
+    before = (await redis_client.info("stats"))["total_reads_processed"]
+    for n in range(sends):
+        lock = await _taken(locks, prefix, f"send{n}")
+        await locks.extend_detached(lock)  # what post_send does
+    await locks.held(lock)  # reads the last extension's reply
+    reads = (await redis_client.info("stats"))["total_reads_processed"] - before
+    # This test's own INFO counts one read, and the last look one more.
+    assert reads <= (sends if redis_wire == "lean" else 2 * sends) + 3
+    for n in range(sends):
+        assert await redis_client.pttl(f"{prefix}:send{n}") > 0  # every extension ran

@@ -64,9 +64,10 @@ class Pipeline:
     linger time, for the next batch, so the starts and ends of many short runs
     share round trips instead of taking one each.
 
-    A call nobody waits for (the lock extension after a send) is written to the
-    connection at once when the pipeline is idle, so it reaches Redis even if the
-    process ends right after ``kiq``; its reply is read with the next batch.
+    A call nobody waits for (the lock extension after a send) goes with the
+    next call made in the same turn of the event loop, or else is written at
+    the end of that turn when the pipeline is idle, so it reaches Redis even if
+    the process ends right after ``kiq``; its reply is read with the next batch.
     """
 
     def __init__(
@@ -107,6 +108,7 @@ class Pipeline:
         self._sender: asyncio.Task[None] | None = None
         self._flush: asyncio.TimerHandle | None = None  # ends the wait of lingering calls
         self._last_lingering = float("-inf")  # when the last call that may linger came
+        self._ahead = False  # a write-ahead is due at the end of this turn of the loop
         self._drops = Drops()  # calls nobody waits for, dropped when the queue is full
 
     @property
@@ -207,51 +209,70 @@ class Pipeline:
     async def send_ahead(
         self, script: AsyncScript, keys: Sequence[str], args: Sequence[str | int], what: str
     ) -> None:
-        """Put a call nobody waits for on the wire now if the pipeline is idle.
+        """Put a call nobody waits for on the wire by the end of this turn of the event loop.
 
-        A failure is logged as ``what``.
+        Over the lean wire, a call made before then in this turn (the next
+        ``kiq`` of a caller that sends in a loop) takes it along in its own
+        write: one write, and one read event in Redis, for both. Else it is
+        written, without waiting for a reply, once the callbacks of this turn
+        are done: before a loop that ends (``asyncio.run``) closes. Over
+        redis-py's public API, whose writes yield, it is written before this
+        returns. A failure is logged as ``what``.
         """
         encoded = self._encode_detached(keys, args, what)
         loop = asyncio.get_running_loop()
         if encoded is None or not self._admit_detached(what, loop):
             return
         self._queue.append(Call(script, *encoded, None, loop.time() + self._detached_timeout, what))
-        if not self._busy and self._transport.writes_ahead and self._transport.ready:
-            # All that is queued: its replies are read in one go with the next batch.
+        if self._busy or not (self._transport.writes_ahead and self._transport.ready):
+            loop.call_soon(self._send_backlog)
+        elif self._transport.writes_at_once:
+            if not self._ahead:
+                self._ahead = True
+                loop.call_soon(self._write_ahead)
+        else:
+            await self._write_queued()
+
+    def _write_ahead(self) -> None:
+        """Write what is queued, its replies read later, unless a batch took it along."""
+        self._ahead = False
+        loop = asyncio.get_running_loop()
+        if self._queue and not self._busy and self._transport.ready:
             calls = self._take_batch(loop.time(), len(self._queue))
             if self._transport.write_now([command(call) for call in calls]):
-                # On the wire without a turn of the event loop. Its reply is
-                # read by the next batch: the next call, often made in this very
-                # loop iteration, or else the background sender, soon.
                 for call in calls:
                     call.written = True
                 self._written += calls
-                loop.call_soon(self._send_backlog)
-                return
-            self._queue.extendleft(reversed(calls))
-            self._busy = True
-            calls = self._take_batch(loop.time(), len(self._queue))
-            for call in calls:
-                call.written = True
-            try:
-                await self._transport.write([command(call) for call in calls])
-            except BaseException as exc:
-                # The connection is gone, and with it the replies of anything
-                # written ahead before: all of it goes the ordinary way, which
-                # reconnects and logs a failure. Nobody waits for this call, so
-                # its error is not the caller's.
-                lost, self._written = self._written + calls, []
-                self._resend(lost)
-                if not isinstance(exc, Exception):
-                    raise
-            else:
-                self._written += calls
-            finally:
-                self._busy = False
-                # Read the replies (or send what is queued) soon, unless the next
-                # call, often made in this very loop iteration, does it on its way.
-                loop.call_soon(self._send_backlog)
+            else:  # bytes still queued on the connection: the sender's bounded way
+                self._queue.extendleft(reversed(calls))
+        # Read the replies (or send what is queued) soon, unless the next call,
+        # often made in the next turn, does it on its way.
+        loop.call_soon(self._send_backlog)
+
+    async def _write_queued(self) -> None:
+        """Write all that is queued, its replies read with the next batch (redis-py's way)."""
+        loop = asyncio.get_running_loop()
+        self._busy = True
+        calls = self._take_batch(loop.time(), len(self._queue))
+        for call in calls:
+            call.written = True
+        try:
+            await self._transport.write([command(call) for call in calls])
+        except BaseException as exc:
+            # The connection is gone, and with it the replies of anything
+            # written ahead before: all of it goes the ordinary way, which
+            # reconnects and logs a failure. Nobody waits for these calls, so
+            # their error is not the caller's.
+            lost, self._written = self._written + calls, []
+            self._resend(lost)
+            if not isinstance(exc, Exception):
+                raise
         else:
+            self._written += calls
+        finally:
+            self._busy = False
+            # Read the replies (or send what is queued) soon, unless the next
+            # call, often made in this very loop iteration, does it on its way.
             loop.call_soon(self._send_backlog)
 
     async def drain(self) -> None:

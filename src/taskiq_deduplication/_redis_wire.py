@@ -94,6 +94,10 @@ class Transport(Protocol):
     async def connect(self) -> None:
         """Make the transport ready, or raise the error that prevents it."""
 
+    @property
+    def writes_at_once(self) -> bool:
+        """Whether :meth:`write_now` can put commands on the wire now (the lean way, ready)."""
+
     def write_now(self, commands: list[Command]) -> bool:
         """Put the commands on the wire without yielding, if that can be done now.
 
@@ -152,6 +156,10 @@ class _Connection:
         if not self.ready:
             await self._begin_operation()
             await self._end_operation()
+
+    @property
+    def writes_at_once(self) -> bool:
+        return self._lean and self.ready
 
     def write_now(self, commands: list[Command]) -> bool:
         if not self.ready or not self._lean:  # redis-py's public API always yields
@@ -416,6 +424,8 @@ class _ClusterTransport:
     async def connect(self) -> None:
         pass
 
+    writes_at_once = False
+
     def write_now(self, commands: list[Command]) -> bool:  # noqa: ARG002 (the protocol's)
         return False
 
@@ -452,6 +462,10 @@ class _TimedTransport:
 
     async def connect(self) -> None:
         await self._transport.connect()
+
+    @property
+    def writes_at_once(self) -> bool:
+        return self._transport.writes_at_once
 
     def write_now(self, commands: list[Command]) -> bool:
         return self._transport.write_now(commands)  # no round trip either

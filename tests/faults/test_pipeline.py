@@ -260,15 +260,23 @@ async def test_a_release_that_overtook_a_failed_reassert_still_ends_the_lock(
     other = Lock("t:other", "tokX", "taskX", 60_000)
     with admin(server.port) as admin_client:
         admin_client.set(running.key, running.value, px=60_000)
-        # A heartbeat tick queues the re-assert while a batch is on the wire...
-        tick = asyncio.ensure_future(store.reassert([running]))
+        # A heartbeat tick queues the re-assert while a batch is on the wire
+        # (held busy here, so that what follows does not depend on timing)...
         await store.acquire(other, 10_000)
-        # ...the server loses its scripts, and post_send writes the queue ahead.
+        pipeline = store._pipeline
+        pipeline._busy = True
+        tick = asyncio.ensure_future(store.reassert([running]))
+        await asyncio.sleep(0)
+        pipeline._busy = False
+        # ...the server loses its scripts, and post_send writes the queue ahead
+        # (at the end of the event loop's turn, over the lean wire).
         admin_client.script_flush()
         await store.extend_detached(sent)
+        await asyncio.sleep(0)
+        assert len(pipeline._written) == 2
         # Both reach Redis and fail with NOSCRIPT; nothing else may run meanwhile.
         time.sleep(0.05)  # noqa: ASYNC251
-        for script in store._pipeline.scripts:  # another process reloads them
+        for script in pipeline.scripts:  # another process reloads them
             admin_client.script_load(script.script)
         # The task ends: its release goes with the next batch, and runs.
         assert await store.release(running)
@@ -416,6 +424,7 @@ async def test_replies_lost_with_a_connection_closed_under_the_pipeline_go_to_no
     pipeline._busy = False
     # ... goes out with an extension written ahead, and its reply is read later.
     await store.extend_detached(a)
+    await asyncio.sleep(0)  # written at the end of the event loop's turn
     assert pipeline._written
     # Before that read, the application closes the client's connections, the
     # pipeline's among them (the pipeline held busy again till then).
