@@ -7,8 +7,8 @@ only be extended or released by the send that took it, and the task_id names
 the holder in a [DuplicateTaskError][taskiq_deduplication.DuplicateTaskError].
 
 The token carries the lock's record after its random part: a lock tells what it
-is for. ``"<owner>/<taken ms>/<policy>[/<task name>]"``: the server's time in
-milliseconds when the acquire script took it, the policy's first letter, and
+is for. ``"<owner>/<taken ms>/<policy>[/<task name>]"``: the sender's time in
+milliseconds when it took the lock, the policy's first letter, and
 the task's name where the middleware records it (``record_task_name``; its
 whitespace and ``%`` percent-escaped). Until a broker accepts the send, ``"!"``
 follows the task_id (`UNSENT_MARK`); the send's ``post_send`` removes it. The
@@ -357,7 +357,7 @@ class LockRecord:
     holder_task_id: str
     """The ``task_id`` of the task that holds it."""
     taken_ms: int | None = None
-    """The server's time, in milliseconds since the epoch, when the lock was taken."""
+    """The sender's time, in milliseconds since the epoch, when it took the lock."""
     policy: str | None = None
     """The name of the lock's policy: ``"finished"``, ``"started"`` or ``"expired"``."""
     task_name: str | None = None

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _VERBS: Final = {Step.REASSERT: "re-assert", Step.REMEMBER: "release", Step.RELEASE: "release"}
-# What claim.lua does at the start of a run, for each policy's step.
+# What a claim script does at the start of a run, for each policy's step.
 _CLAIM_STEPS: Final = {Step.REASSERT: "reassert", Step.RELEASE: "release"}
 #: Seconds the re-assert at a run's start and the step at its end may wait to
 #: share a round trip with other runs' (only while other runs go on and their

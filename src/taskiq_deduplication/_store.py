@@ -11,6 +11,7 @@ which keeps them in order and sends those issued in the same instant together.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import TYPE_CHECKING, Final
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Final
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from taskiq_deduplication._formats import lock_value
+from taskiq_deduplication._formats import RECORD_MARK, UNSENT_MARK, lock_value
 from taskiq_deduplication._pipeline import (
     Pipeline,
     ScriptCall,
@@ -68,8 +69,8 @@ class Acquired:
     holder: str | None
     """``None`` when the lock is now this send's, else the holder's value."""
     token: str | None = None
-    """When the lock is now this send's: its owner token as the script wrote it,
-    the lock's record included (the time is the server's)."""
+    """When the lock is now this send's: its owner token as Redis has it, the
+    lock's record included."""
     fence: int | None = None
     """The fence drawn for this send, if it asked for one and took the lock."""
     merged: bool = False
@@ -104,7 +105,7 @@ class Claimed:
 #: What most claims find: the run begins, its lock this send's; nothing else.
 _BEGUN: Final = Claimed()
 
-# The first element of claim.lua's reply besides an outcome or a debounce's wait.
+# The first element of a claim script's reply besides an outcome or a debounce's wait.
 _WAIT_FOR_RUN: Final = 3
 _SKIP: Final = 4
 _COPY_OF_SUCCESS: Final = 5
@@ -155,9 +156,10 @@ class LockStore:
         self._reassert = load_script(client, "reassert")
         # For the tasks that merge calls or take a fence, and TaskLock.held().
         self._acquire_with = load_script(client, "acquire_with")
-        self._claim = load_script(client, "claim")
+        self._claim_with = load_script(client, "claim_with")
         self._held = load_script(client, "held")
         # For exclusive runs.
+        self._claim = load_script(client, "claim")
         self._finish = load_script(client, "finish")
         # After the broker accepted a merging task's message, or refused a send.
         self._sent = load_script(client, "sent")
@@ -171,8 +173,9 @@ class LockStore:
                 self._release,
                 self._reassert,
                 self._acquire_with,
-                self._claim,
+                self._claim_with,
                 self._held,
+                self._claim,
                 self._finish,
                 self._sent,
                 self._unsent,
@@ -224,18 +227,25 @@ class LockStore:
                 a tick sent without its lock: a late lock only holds back the
                 other replicas).
         """
+        token = lock.token
+        value = lock.value
+        if record:
+            # The record's time is the sender's clock (what the locks page shows
+            # as the lock's age): asking the server for it cost every acquire a
+            # TIME and the string work around it.
+            token = f"{token}{RECORD_MARK}{time.time_ns() // 1_000_000}{RECORD_MARK}{record}"
+            value = f"{token} {lock.task_id}{UNSENT_MARK}"
         try:
             if merge_key is None and fence_key is None:
                 reply = await self._pipeline.call(
-                    self._acquire, [lock.key], [lock.token, lock.task_id, ttl_ms, replaces, record]
+                    self._acquire, [lock.key], [value, ttl_ms, replaces]
                 )
-                if isinstance(reply, list):
-                    return Acquired(None, token=text(reply[0]))
+                if reply == 1:
+                    return Acquired(None, token=token)
                 return Acquired(text(reply))
             keys = _keys_of(lock, merge_key, fence_key)
             args: list[str | int] = [
-                lock.token,
-                lock.task_id,
+                value,
                 ttl_ms,
                 replaces,
                 arguments.decode() if merge_key is not None else "",
@@ -243,15 +253,14 @@ class LockStore:
                 lock.ttl_ms,
                 int(bool(replaces)),
                 task_name,
-                record,
             ]
-            status, value, *taken = await self._pipeline.call(self._acquire_with, keys, args)
+            status, value = await self._pipeline.call(self._acquire_with, keys, args)
         except (RedisTimeoutError, asyncio.TimeoutError, asyncio.CancelledError) as exc:
             if undo_late and not (isinstance(exc, CallTimeoutError) and not exc.sent):
                 self.release_detached(lock)
             raise
         if status == 1:
-            return Acquired(None, token=text(taken[0]), fence=int(value) or None)
+            return Acquired(None, token=token, fence=int(value) or None)
         return Acquired(
             text(value),
             merged=status == 2,  # noqa: PLR2004 (the script's reply)
@@ -285,25 +294,43 @@ class LockStore:
                 copy of a call found there does not run.
             linger: Seconds the call may wait to share a round trip.
         """
-        keys = [
-            lock.key,
-            merge_key or lock.key,
-            fence_key or lock.key,
-            run.key if run is not None else lock.key,
-            done.key if done is not None else lock.key,
-        ]
-        args: list[str | int] = [
-            lock.value,
-            lock.ttl_ms,
-            *debounce,
-            step,
-            int(merge_key is not None),
-            int(fence_key is not None),
-            run.token if run is not None else "",
-            run.ttl_ms if run is not None else 0,
-            done.call if done is not None else "",
-        ]
-        reply = await self._pipeline.call(self._claim, keys, args, linger=linger)
+        if (
+            run is not None
+            and run.key == lock.key
+            and step == "reassert"
+            and merge_key is None
+            and fence_key is None
+        ):
+            # Most exclusive runs: a "finished" lock that is its own run slot,
+            # nothing beside it. A script that reads and writes only the lock.
+            keys = [lock.key, done.key if done is not None else lock.key]
+            args: list[str | int] = [
+                lock.value,
+                lock.ttl_ms,
+                run.token,
+                done.call if done is not None else "",
+            ]
+            reply = await self._pipeline.call(self._claim, keys, args, linger=linger)
+        else:
+            keys = [
+                lock.key,
+                merge_key or lock.key,
+                fence_key or lock.key,
+                run.key if run is not None else lock.key,
+                done.key if done is not None else lock.key,
+            ]
+            args = [
+                lock.value,
+                lock.ttl_ms,
+                *debounce,
+                step,
+                int(merge_key is not None),
+                int(fence_key is not None),
+                run.token if run is not None else "",
+                run.ttl_ms if run is not None else 0,
+                done.call if done is not None else "",
+            ]
+            reply = await self._pipeline.call(self._claim_with, keys, args, linger=linger)
         if reply == 1:  # the run begins, its lock refreshed (most runs): {1, 0, ""}
             return _BEGUN
         if reply[0] == _COPY_OF_SUCCESS:

@@ -106,10 +106,11 @@ class LockInfo:
     policy: str | None = None
     """The lock's policy: ``"finished"``, ``"started"`` or ``"expired"``."""
     taken_at: float | None = None
-    """When the lock was taken, in seconds since the epoch, by the Redis server's clock."""
+    """When the lock was taken, in seconds since the epoch, by the sending machine's clock."""
     age: float | None = None
     """Seconds since the lock was taken when it was read (the server's clock
-    where it could be asked, else this machine's)."""
+    where it could be asked, else this machine's, less `taken_at`; never
+    below 0 when the clocks disagree)."""
     sent: bool | None = None
     """Whether a broker has accepted the holder's send. ``False`` while its
     ``kiq`` is between taking the lock and the broker's answer, or if its

@@ -178,11 +178,11 @@ async def _limit(bench: Bench) -> AsyncIterator[Kick]:
     client = Redis.from_pool(BlockingConnectionPool.from_url(bench.url, max_connections=100))
     script = client.register_script(source)
     prefix = bench.prefix("L")
-    token, task_id = "0123456789abcdef", "0" * 32
+    # As a send takes its lock: with its record ("f": the default policy), unsent.
+    value = f"0123456789a/1796000000000/f {'0' * 32}!"
 
     async def kick(n: int) -> object:
-        # As a send takes its lock: with its record ("f": the default policy).
-        return await script(keys=[f"{prefix}:{n}"], args=[token, task_id, 10_000, "", "f"])
+        return await script(keys=[f"{prefix}:{n}"], args=[value, 10_000, ""])
 
     try:
         yield kick
@@ -739,7 +739,7 @@ async def limit(bench: Bench) -> Results:
     source = resources.files("taskiq_deduplication").joinpath("lua/acquire.lua").read_text("utf-8")
     script = client.register_script(source)
     prefix = bench.prefix("P")
-    args: list[str | int] = ["0123456789abcdef", "0" * 32, 10_000, "", "f"]
+    args: list[str | int] = [f"0123456789a/1796000000000/f {'0' * 32}!", 10_000, ""]
 
     async def pipeline(n: int) -> object:
         pipe = client.pipeline(transaction=False)

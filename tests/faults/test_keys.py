@@ -52,6 +52,7 @@ async def test_explicit_keys_are_kept_verbatim_and_distinct(
     expected = {
         f"{key_prefix}:{key}": h.task_id for key, h in zip(EXPLICIT_KEYS, handles, strict=True)
     }
+    await asyncio.sleep(0)  # the last send's extension goes at the end of the loop's turn
     with admin(server.port) as client:
         stored = {str(k): str(client.get(k)) for k in client.keys("*")}
     assert set(stored) == set(expected)  # one key each, exactly as written

@@ -3,21 +3,17 @@
 -- (Tasks with neither use acquire.lua, whose reply and cost are unchanged.)
 --
 -- KEYS[1]      the lock key
--- KEYS[2]      the merge key (the latest arguments), when ARGV[5] is not ""
--- KEYS[#KEYS]  the fence counter, when ARGV[6] is "1"
--- ARGV[1]      owner token of this send (no spaces)
--- ARGV[2]      task_id of this send
--- ARGV[3]      TTL of the lock in milliseconds (the grace TTL of a send)
--- ARGV[4]      the value of a lock this send may take over (a retry), or ""
--- ARGV[5]      the call's arguments, serialised, for a task that merges; or ""
--- ARGV[6]      "1" to draw a fence for this send, else "0"
--- ARGV[7]      TTL of the merge key in milliseconds (the lock's full TTL)
--- ARGV[8]      "1" when this send is a retry: it runs as soon as it is delivered,
+-- KEYS[2]      the merge key (the latest arguments), when ARGV[4] is not ""
+-- KEYS[#KEYS]  the fence counter, when ARGV[5] is "1"
+-- ARGV[1]      the lock's value for this send, as for acquire.lua
+-- ARGV[2]      TTL of the lock in milliseconds (the grace TTL of a send)
+-- ARGV[3]      the value of a lock this send may take over (a retry), or ""
+-- ARGV[4]      the call's arguments, serialised, for a task that merges; or ""
+-- ARGV[5]      "1" to draw a fence for this send, else "0"
+-- ARGV[6]      TTL of the merge key in milliseconds (the lock's full TTL)
+-- ARGV[7]      "1" when this send is a retry: it runs as soon as it is delivered,
 --              and never merges into another send's arguments
--- ARGV[9]      the task's name, for a task that merges
--- ARGV[10]     the lock's record after the time, as for acquire.lua ("" or nothing: none)
---
--- The lock's value is written as acquire.lua writes it.
+-- ARGV[8]      the task's name, for a task that merges
 --
 -- The merge key is a hash: args (the latest arguments), task (the task's
 -- name), first and last (the server's time in ms of the first and the latest
@@ -27,58 +23,48 @@
 -- its own task that a broker has accepted: several tasks may share a key, and
 -- a message the broker refuses never runs.
 --
--- Returns {1, fence, token} when the lock is now this send's (fence 0 without one),
+-- Returns {1, fence} when the lock is now this send's (fence 0 without one),
 -- {2, holder} when the call was merged into the queued holder's arguments,
 -- {3, holder} when the holder merges calls but the broker has not accepted its
 -- message yet, or {0, holder} when another send holds the lock. Run twice for the same send (a
 -- batch resent after a dropped connection), it takes the lock both times,
 -- with a new fence the second time.
 local current = redis.call('GET', KEYS[1])
-local merging = ARGV[5] ~= ''
+local merging = ARGV[4] ~= ''
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
-local token = ARGV[1]
-local value = token .. ' ' .. ARGV[2]
-local record = ARGV[10] or ''
-if record ~= '' then
-  if current and string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. '/' then
-    token = string.match(current, '^(%S+) ')
-  else
-    token = ARGV[1] .. '/' .. string.format('%.0f', now_ms()) .. '/' .. record
-  end
-  value = token .. ' ' .. ARGV[2] .. '!'
-end
-if current and current ~= value and current ~= ARGV[4] and current ~= ARGV[4] .. ' +'
-    and current ~= ARGV[4] .. '!' then
-  if merging and ARGV[8] ~= '1' and redis.call('EXISTS', KEYS[2]) == 1 then
+local value = ARGV[1]
+if current and current ~= value and current ~= ARGV[3] and current ~= ARGV[3] .. ' +'
+    and current ~= ARGV[3] .. '!' then
+  if merging and ARGV[7] ~= '1' and redis.call('EXISTS', KEYS[2]) == 1 then
     local holder = redis.call('HMGET', KEYS[2], 'task', 'pending')
     -- A hash without a task was written by an older version: of this task.
-    if not holder[1] or holder[1] == ARGV[9] then
+    if not holder[1] or holder[1] == ARGV[8] then
       if holder[2] then
         return {3, current}
       end
-      redis.call('HSET', KEYS[2], 'args', ARGV[5], 'last', now_ms())
+      redis.call('HSET', KEYS[2], 'args', ARGV[4], 'last', now_ms())
       return {2, current}
     end
   end
   return {0, current}
 end
-redis.call('SET', KEYS[1], value, 'PX', ARGV[3])
+redis.call('SET', KEYS[1], value, 'PX', ARGV[2])
 local fence = 0
-if ARGV[6] == '1' then
+if ARGV[5] == '1' then
   fence = redis.call('INCR', KEYS[#KEYS])
 end
 if merging then
   local now = now_ms()
   local first = now
-  if ARGV[8] == '1' then
+  if ARGV[7] == '1' then
     first = 0
   end
   redis.call('DEL', KEYS[2])
-  redis.call('HSET', KEYS[2], 'args', ARGV[5], 'task', ARGV[9], 'first', first, 'last', now,
+  redis.call('HSET', KEYS[2], 'args', ARGV[4], 'task', ARGV[8], 'first', first, 'last', now,
     'pending', 1)
-  redis.call('PEXPIRE', KEYS[2], ARGV[7])
+  redis.call('PEXPIRE', KEYS[2], ARGV[6])
 end
-return {1, fence, token}
+return {1, fence}
