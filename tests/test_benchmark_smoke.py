@@ -20,6 +20,7 @@ SECTIONS = (
     "rejected",
     "lifecycle",
     "round_trips",
+    "scripts",
     "heartbeat",
     "limit",
 )

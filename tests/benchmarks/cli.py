@@ -26,6 +26,7 @@ SECTIONS = (
     "rejected",
     "lifecycle",
     "round_trips",
+    "scripts",
     "heartbeat",
     "limit",
     "workers",

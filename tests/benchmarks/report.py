@@ -230,6 +230,19 @@ def _rows(summary: Results) -> list[tuple[str, ...]]:  # noqa: C901, PLR0912, PL
     def at(path: str) -> str:
         return show(lookup(summary, path))
 
+    paths = summary.get("scripts", {})
+    if paths:
+        add("## scripts in Redis (commandstats)", "scripts/task", "us/call", "us/task")
+        for path, figures in paths.items():
+            add(
+                f"{path}",
+                at(f"scripts.{path}.scripts_per_task"),
+                at(f"scripts.{path}.us_per_call"),
+                at(f"scripts.{path}.us_per_task"),
+            )
+            for name in figures:
+                if name not in ("scripts_per_task", "us_per_task", "us_per_call"):
+                    add(f"  {name}", at(f"scripts.{path}.{name}.calls_per_task"), "", "")
     limit = summary.get("limit", {})
     if limit:
         add("## limit: acquire script through redis.asyncio", "", "", "")

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import functools
 import gc
+import hashlib
 import itertools
 import os
 import time
@@ -883,4 +884,108 @@ async def overhead(bench: Bench) -> Results:  # noqa: C901 (variants, pinnings, 
             row[f"life_{policy}_per_s"] = 1e6 / median(by_name[f"life.{policy}"])
             row[f"life_{policy}_added_round_trips"] = added(f"life.{policy}", base)
         figures[pin] = row
+    return figures
+
+
+# 10: what each script costs Redis itself, and how many a task runs, by path
+
+#: The paths the scripts section measures, each a task's labels (``None``: a
+#: duplicate, refused), on an in-process broker that runs each task inside kiq().
+SCRIPT_PATHS: dict[str, dict[str, Any] | None] = {
+    "success": {},
+    "failure": {},
+    "duplicate": None,
+    "not_exclusive": {"deduplication_exclusive": False},
+    "started": {"deduplication_until": "started"},
+    "expired": {"deduplication_until": "expired"},
+    "merge": {"deduplication_merge": "latest", "deduplication_key_fields": ["n"]},
+}
+
+
+def _script_names() -> dict[str, str]:
+    """Each of the library's scripts by the SHA1 Redis knows it by."""
+    folder = resources.files("taskiq_deduplication").joinpath("lua")
+    return {
+        hashlib.sha1(entry.read_bytes()).hexdigest(): entry.name.removesuffix(".lua")  # noqa: S324 (Redis' own digest)
+        for entry in folder.iterdir()
+        if entry.name.endswith(".lua")
+    }
+
+
+def _scripts_run(entries: list[dict[str, Any]], names: dict[str, str]) -> dict[str, int]:
+    """How many times each script ran, from SLOWLOG entries."""
+    counts: dict[str, int] = {}
+    for entry in entries:
+        words = entry["command"].split()
+        if words and words[0].upper() == b"EVALSHA" and len(words) > 1:
+            name = names.get(words[1].decode(), "other")
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+async def scripts(bench: Bench) -> Results:
+    """Redis's own time in scripts per task and per call, and which scripts, path by path.
+
+    The time is ``INFO commandstats``' for ``EVALSHA`` (the commands a script
+    makes included); which scripts ran comes from a second pass with every
+    command in the SLOWLOG (whose own cost would inflate the time). Each task
+    runs alone, so nothing is batched; the paths run in turn, ``calls`` tasks each.
+    """
+    calls = max(bench.settings.round_trip_repeats * 20, 40)
+    admin = Redis.from_url(bench.url)
+    names = _script_names()
+    config = await admin.config_get("slowlog-*")
+    threshold, length = str(config["slowlog-log-slower-than"]), str(config["slowlog-max-len"])
+    broker = InMemoryBroker(await_inplace=True).with_middlewares(bench.dedup(bench.prefix("S")))
+    kicks: dict[str, Kick] = {}
+    for path, labels in SCRIPT_PATHS.items():
+        if labels is None:
+            continue
+        function = _fail if path == "failure" else _noop
+        kicks[path] = broker.task(task_name=f"bench_script_{path}", **labels)(function).kiq
+    holding = HoldingBroker().with_middlewares(bench.dedup(bench.prefix("SD")))
+    holder = holding.task(task_name="bench_script_held")(_noop).kiq
+    await broker.startup()
+    await holding.startup()
+    numbers = numbers_from()
+    figures: Results = {}
+    try:
+        await holder(-1)  # held, never run: every later call of it is refused
+
+        async def take(path: str, times: int) -> None:
+            for _ in range(times):
+                if path == "duplicate":
+                    with contextlib.suppress(DuplicateTaskError):
+                        await holder(-1)
+                else:
+                    await kicks[path](next(numbers))
+
+        for path in SCRIPT_PATHS:
+            await take(path, 20)  # warm: the scripts and the paths' code
+            # The time: INFO commandstats, nothing else logged.
+            await admin.config_resetstat()
+            await take(path, calls)
+            await asyncio.sleep(0.01)  # the last extension, written ahead, lands
+            stats = (await admin.info("commandstats")).get("cmdstat_evalsha", {})
+            # Which scripts: the SLOWLOG, every command logged (which slows them).
+            await admin.config_set("slowlog-log-slower-than", 0)
+            await admin.config_set("slowlog-max-len", 50 * calls + 1000)
+            await admin.slowlog_reset()
+            await take(path, calls)
+            await asyncio.sleep(0.01)
+            await admin.config_set("slowlog-log-slower-than", threshold)
+            counts = _scripts_run(await admin.slowlog_get(50 * calls + 1000), names)
+            figures[path] = {
+                "scripts_per_task": stats.get("calls", 0) / calls,
+                "us_per_task": stats.get("usec", 0) / calls,
+                "us_per_call": stats.get("usec_per_call", 0.0),
+                **{name: {"calls_per_task": n / calls} for name, n in sorted(counts.items())},
+            }
+    finally:
+        await admin.config_set("slowlog-log-slower-than", threshold)
+        await admin.config_set("slowlog-max-len", length)
+        await admin.slowlog_reset()
+        await admin.aclose()
+        await broker.shutdown()
+        await holding.shutdown()
     return figures
