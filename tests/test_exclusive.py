@@ -508,3 +508,49 @@ async def test_a_copy_of_an_attempt_whose_retry_the_broker_refused_runs(
     assert bodies == ["ran", "ran"]  # the call is not lost
     assert await lock_keys(redis_client, prefix) == []
     assert without_done(await redis_client.keys(f"{prefix}*")) == []
+
+
+async def test_a_run_inside_its_own_kiq_claims_without_waiting_and_still_holds_its_run_slot(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    """An in-process broker runs the task inside ``kiq``: its claim goes without a wait.
+
+    The lock is the one the send took moments ago, so the claim's outcome is
+    known; it is written with the next call (the run's end) or at the end of
+    the event loop's turn, and the run slot is the run's while its body runs.
+    """
+    broker = await make_broker(await_inplace=True)
+    seen: list[tuple[str, bool]] = []
+
+    @broker.task(task_name=None)
+    async def job(n: int) -> int:
+        await asyncio.sleep(0.05)  # the claim is in Redis once the body yields
+        (key,) = await lock_keys(redis_client, prefix)
+        value = await lock_value(redis_client, key)
+        refused = False
+        try:
+            await job.kiq(n=n)
+        except DuplicateTaskError:
+            refused = True
+        seen.append((value, refused))
+        return n
+
+    await job.kiq(n=1)
+    ((value, refused),) = seen
+    assert value.startswith("~")  # the run token holds the slot
+    assert refused  # an identical call during the run is a duplicate
+    assert await lock_keys(redis_client, prefix) == []  # released at the end
+
+    # A run that does not yield: its claim and its end share one write.
+    @broker.task(task_name=None)
+    async def quick(n: int) -> int:
+        return n
+
+    await quick.kiq(n=0)  # warm
+    before = (await redis_client.info("stats"))["total_reads_processed"]
+    runs = 20
+    for n in range(1, runs + 1):
+        await quick.kiq(n=n)
+    reads = (await redis_client.info("stats"))["total_reads_processed"] - before
+    assert reads <= 2 * runs + 1  # the acquire's, and the claim's with the end's
+    assert await lock_keys(redis_client, prefix) == []
