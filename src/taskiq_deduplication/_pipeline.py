@@ -236,8 +236,10 @@ class Pipeline:
     def _write_ahead(self) -> None:
         """Write what is queued, its replies read later, unless a batch took it along."""
         self._ahead = False
+        if not self._queue:
+            return  # a batch of this turn took it along, and reads its reply
         loop = asyncio.get_running_loop()
-        if self._queue and not self._busy and self._transport.ready:
+        if not self._busy and self._transport.ready:
             calls = self._take_batch(loop.time(), len(self._queue))
             if self._transport.write_now([command(call) for call in calls]):
                 for call in calls:
