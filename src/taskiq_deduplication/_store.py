@@ -303,13 +303,7 @@ class LockStore:
         ):
             # Most exclusive runs: a "finished" lock that is its own run slot,
             # nothing beside it. A script that reads and writes only the lock.
-            keys = [lock.key, done.key if done is not None else lock.key]
-            args: list[str | int] = [
-                lock.value,
-                lock.ttl_ms,
-                run.token,
-                done.call if done is not None else "",
-            ]
+            keys, args = _claim_of_own_slot(lock, run, done)
             reply = await self._pipeline.call(self._claim, keys, args, linger=linger)
         else:
             keys = [
@@ -356,13 +350,7 @@ class LockStore:
         (often the run's end), or at the end of the turn. Only for a run whose
         claim cannot find anything but the lock its send just took.
         """
-        keys = [lock.key, done.key if done is not None else lock.key]
-        args: list[str | int] = [
-            lock.value,
-            lock.ttl_ms,
-            run.token,
-            done.call if done is not None else "",
-        ]
+        keys, args = _claim_of_own_slot(lock, run, done)
         await self._pipeline.send_ahead(self._claim, keys, args, f"claim lock {lock.key!r}")
 
     async def finish(  # noqa: PLR0913 (the script's arguments, each named)
@@ -562,3 +550,17 @@ def call_timeout(client: RedisClient) -> float:
         kwargs = client.connection_pool.connection_kwargs
     timeout = kwargs.get("socket_timeout")
     return float(timeout) if timeout else _DEFAULT_TIMEOUT
+
+
+def _claim_of_own_slot(
+    lock: Lock, run: Lock, done: Done | None
+) -> tuple[list[str], list[str | int]]:
+    """The keys and arguments of `claim.lua` for ``run`` of ``lock``, its own run slot."""
+    keys = [lock.key, done.key if done is not None else lock.key]
+    args: list[str | int] = [
+        lock.value,
+        lock.ttl_ms,
+        run.token,
+        done.call if done is not None else "",
+    ]
+    return keys, args
