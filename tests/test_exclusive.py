@@ -20,6 +20,7 @@ from taskiq import (
     InMemoryBroker,
     SimpleRetryMiddleware,
     SmartRetryMiddleware,
+    TaskiqMessage,
     TaskiqMiddleware,
 )
 from taskiq.exceptions import SendTaskError
@@ -510,21 +511,15 @@ async def test_a_copy_of_an_attempt_whose_retry_the_broker_refused_runs(
     assert without_done(await redis_client.keys(f"{prefix}*")) == []
 
 
-async def test_a_run_inside_its_own_kiq_claims_without_waiting_and_still_holds_its_run_slot(
+async def test_a_run_inside_its_own_kiq_holds_its_run_slot_while_its_body_runs(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    """An in-process broker runs the task inside ``kiq``: its claim goes without a wait.
-
-    The lock is the one the send took moments ago, so the claim's outcome is
-    known; it is written with the next call (the run's end) or at the end of
-    the event loop's turn, and the run slot is the run's while its body runs.
-    """
+    """An in-process broker runs the task inside ``kiq``, before the send's post_send."""
     broker = await make_broker(await_inplace=True)
     seen: list[tuple[str, bool]] = []
 
     @broker.task(task_name=None)
     async def job(n: int) -> int:
-        await asyncio.sleep(0.05)  # the claim is in Redis once the body yields
         (key,) = await lock_keys(redis_client, prefix)
         value = await lock_value(redis_client, key)
         refused = False
@@ -541,16 +536,36 @@ async def test_a_run_inside_its_own_kiq_claims_without_waiting_and_still_holds_i
     assert refused  # an identical call during the run is a duplicate
     assert await lock_keys(redis_client, prefix) == []  # released at the end
 
-    # A run that does not yield: its claim and its end share one write.
-    @broker.task(task_name=None)
-    async def quick(n: int) -> int:
-        return n
 
-    await quick.kiq(n=0)  # warm
-    before = (await redis_client.info("stats"))["total_reads_processed"]
-    runs = 20
-    for n in range(1, runs + 1):
-        await quick.kiq(n=n)
-    reads = (await redis_client.info("stats"))["total_reads_processed"] - before
-    assert reads <= 2 * runs + 1  # the acquire's, and the claim's with the end's
-    assert await lock_keys(redis_client, prefix) == []
+class _SlowSend(TaskiqMiddleware):
+    """After ours: a send that takes longer than the lock's grace TTL."""
+
+    async def pre_send(self, message: TaskiqMessage) -> TaskiqMessage:
+        await asyncio.sleep(1.2)
+        return message
+
+
+async def test_runs_inside_their_own_kiq_do_not_overlap_when_a_slow_send_outlived_its_lock(
+    make_broker: BrokerFactory, make_middleware: MiddlewareFactory
+) -> None:
+    """A's lock lapses while A is still being sent; B takes it, then both run inside kiq().
+
+    The claim at each run's start is what keeps them apart: B's waits for A's
+    run, though B's own send took its lock moments before (found in review).
+    """
+    broker = await make_broker(await_inplace=True, middlewares=[make_middleware(), _SlowSend()])
+    runs = Runs()
+
+    @broker.task(task_name=None, deduplication_ttl=1)
+    async def job(x: int) -> None:
+        index = runs.begin()
+        await asyncio.sleep(1.5)
+        runs.end(index)
+
+    async def second() -> None:
+        await asyncio.sleep(1.1)  # A's lock (its grace TTL, 1 s) has lapsed
+        await job.kiq(1)
+
+    await asyncio.gather(job.kiq(1), second())
+    assert len(runs.spans) == 2
+    assert runs.overlaps() == 0

@@ -79,15 +79,6 @@ class PendingSends:
             self._by_value[value] = send.outer
         return send
 
-    def sending(self, lock: Lock) -> bool:
-        """Whether this process is still sending ``lock``'s message, with the lock it took.
-
-        Only a broker that runs the task inside ``kick`` delivers a message
-        before its ``post_send``: the lock was taken moments ago, by this send.
-        """
-        send = self._by_value.get(lock.value)
-        return send is not None and send.taken and not send.ended
-
     def end(self, lock: Lock) -> bool:
         """Note that a run ends ``lock``; whether a send of it is still in flight."""
         send = self._by_value.get(lock.value)

@@ -35,7 +35,7 @@ from taskiq_deduplication._formats import (
 )
 from taskiq_deduplication._heartbeat import Beat
 from taskiq_deduplication._policies import FINISHED, POLICIES, Step
-from taskiq_deduplication._store import BEGUN, Claimed, Done, Lock
+from taskiq_deduplication._store import Claimed, Done, Lock
 from taskiq_deduplication.events import LockEventKind
 from taskiq_deduplication.exceptions import REDIS_ERRORS
 
@@ -114,12 +114,7 @@ class Runs:
         run = self._run_slot(execution, recorded, state) if recorded.exclusive else None
         if run is not None:
             execution.done = self._done(execution, recorded, state)
-        if run is not None and self._inside_its_kiq(execution, recorded, run):
-            # The claim can only put the run token in the send's place: it goes
-            # without a wait (and without a look for the call's success).
-            await state.locks.claim_detached(execution.lease, run, None)
-            self._begun(execution, recorded, message, run, BEGUN)
-        elif run is not None or recorded.merge is not None or recorded.fence is not None:
+        if run is not None or recorded.merge is not None or recorded.fence is not None:
             await self._claim(execution, recorded, message, run)
         elif policy.at_start is Step.REASSERT:
             await self._reassert(execution, message)
@@ -299,23 +294,6 @@ class Runs:
                 say.waits(self._events, execution, message, claimed.waiting_for)
             await asyncio.sleep(min(self._poll(execution, run), claimed.wait_ms / 1000))
         self._begun(execution, recorded, message, run, claimed)
-
-    def _inside_its_kiq(self, execution: Execution, recorded: RecordedLock, run: Lock) -> bool:
-        """Whether a run that holds its lock as its run slot was delivered inside its own kiq().
-
-        An in-process broker that runs the task inside ``kick`` delivers it
-        before its ``post_send``: the lock is the one this send took moments
-        ago, so no other run holds it, and no copy of this brand-new call
-        (not a retry) succeeded. Nothing beside the lock: no merge, no fence.
-        """
-        return (
-            run.key == execution.lease.key
-            and execution.policy.at_start is Step.REASSERT
-            and recorded.merge is None
-            and recorded.fence is None
-            and recorded.first is None
-            and self._pending.sending(execution.lock)
-        )
 
     def _begun(
         self,

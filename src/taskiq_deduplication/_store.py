@@ -103,7 +103,7 @@ class Claimed:
 
 
 #: What most claims find: the run begins, its lock this send's; nothing else.
-BEGUN: Final = Claimed()
+_BEGUN: Final = Claimed()
 
 # The first element of a claim script's reply besides an outcome or a debounce's wait.
 _WAIT_FOR_RUN: Final = 3
@@ -326,7 +326,7 @@ class LockStore:
             ]
             reply = await self._pipeline.call(self._claim_with, keys, args, linger=linger)
         if reply == 1:  # the run begins, its lock refreshed (most runs): {1, 0, ""}
-            return BEGUN
+            return _BEGUN
         if reply[0] == _COPY_OF_SUCCESS:
             return _NOT_AGAIN
         if reply[0] == 0:
@@ -341,17 +341,6 @@ class LockStore:
             fence=int(fence) or None,
             arguments=(arguments.encode() if isinstance(arguments, str) else arguments) or None,
         )
-
-    async def claim_detached(self, lock: Lock, run: Lock, done: Done | None) -> None:
-        """Begin the run of a lock that is its own run slot, taken moments ago by this process.
-
-        As `claim` does for such a run (`claim.lua`), without waiting for the
-        reply: it goes with the next call of the same turn of the event loop
-        (often the run's end), or at the end of the turn. Only for a run whose
-        claim cannot find anything but the lock its send just took.
-        """
-        keys, args = _claim_of_own_slot(lock, run, done)
-        await self._pipeline.send_ahead(self._claim, keys, args, f"claim lock {lock.key!r}")
 
     async def finish(  # noqa: PLR0913 (the script's arguments, each named)
         self,
