@@ -27,6 +27,7 @@ from taskiq.exceptions import SendTaskError
 
 from taskiq_deduplication import DuplicateTaskError, LockEventKind
 from taskiq_deduplication._formats import holder_task_id
+from taskiq_deduplication._store import Lock, LockStore
 from tests._brokers import HoldingBroker, retry_middleware
 from tests.conftest import (
     BrokerFactory,
@@ -569,3 +570,32 @@ async def test_runs_inside_their_own_kiq_do_not_overlap_when_a_slow_send_outlive
     await asyncio.gather(job.kiq(1), second())
     assert len(runs.spans) == 2
     assert runs.overlaps() == 0
+
+
+@pytest.mark.parametrize("policy", ["finished", "started", "expired"])
+async def test_a_claim_sent_again_finds_its_own_run_and_begins(
+    redis_url: str, redis_client: redis.asyncio.Redis, prefix: str, policy: str
+) -> None:
+    """A batch sent again after a lost connection runs its claim twice (found in review).
+
+    The second run used to find the run's own token, mark it as waited for
+    (`` +``) and answer "wait": the run then waited for itself, or its success
+    was kept for the copies that never were.
+    """
+    client = redis.asyncio.Redis.from_url(redis_url)
+    store = LockStore(client)
+    await store.load_scripts()
+    try:
+        lock = Lock(f"{prefix}:again", "tok/1/f", "task-1", 30_000)
+        assert (await store.acquire(lock, 30_000)).holder is None
+        beside = policy != "finished"
+        run = Lock(f"{prefix}#run:again" if beside else lock.key, "~ok/1/f", "task-1", 30_000)
+        step = {"finished": "reassert", "started": "release", "expired": "nothing"}[policy]
+        for _ in range(2):
+            claimed = await store.claim(lock, step=step, run=run)
+            assert claimed.wait_ms == 0
+            assert claimed.skipped_for is None
+        assert await redis_client.get(run.key) == run.value  # no " +" after it
+    finally:
+        await store.close()
+        await client.aclose()

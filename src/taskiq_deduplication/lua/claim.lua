@@ -24,13 +24,21 @@
 --   {4, 0, value}           a run of its task succeeded ("=...") or a retry
 --                           took its lock over: this delivery must not run
 --   {5, 0, ""}              a copy of a call whose run succeeded (its done key)
--- A run that begins holds the lock as "<run token> <task_id>".
+-- A run that begins holds the lock as "<run token> <task_id>". Run again for
+-- the same run (a batch sent again), it finds that and answers 1.
 local value = ARGV[1]
 if ARGV[4] ~= '' and redis.call('GET', KEYS[2]) == ARGV[4] then
   return {5, 0, ''}
 end
 local current = redis.call('GET', KEYS[1])
 local task = string.match(value, '^%S+ (%S+)')
+local held = ARGV[3] .. ' ' .. task
+if current == held or current == held .. ' +' then
+  -- This claim ran already (a batch sent again after a lost connection): the
+  -- run began then, and holds the lock.
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
 local outcome = 1
 if not current then
   outcome = 2

@@ -47,7 +47,9 @@
 --                           "finished" run takes it, with a new fence); args
 --                           are the latest merged arguments, or "".
 --   1                       the run begins as {1, 0, ""} says: most runs, in
---                           one reply for the client to read instead of four.
+--                           one reply for the client to read instead of four;
+--                           also what a claim run again for the same run
+--                           answers (a batch sent again after a lost connection)
 -- An exclusive run that begins holds its run slot: "<run token> <task_id>".
 local value = ARGV[1]
 local ttl = ARGV[2]
@@ -68,6 +70,18 @@ if exclusive then
   local slot = current
   if KEYS[4] ~= KEYS[1] then
     slot = redis.call('GET', KEYS[4])
+  end
+  local own = run .. ' ' .. task
+  if slot == own or slot == own .. ' +' then
+    -- This claim ran already (a batch sent again after a lost connection):
+    -- the run began then, and holds its slot. (Merged arguments it claimed
+    -- and a fence it drew then are not told again.)
+    if KEYS[4] == KEYS[1] then
+      redis.call('PEXPIRE', KEYS[1], ttl)
+    else
+      redis.call('PEXPIRE', KEYS[4], ARGV[9])
+    end
+    return 1
   end
   if slot and slot ~= value then
     local same_task = string.match(slot, '^%S+ (%S+)') == task
