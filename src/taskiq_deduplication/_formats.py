@@ -330,6 +330,16 @@ def holder_task_id(value: str) -> str | None:
     return task_id if separator and token and task_id else None
 
 
+def recorded_token(owner: str, taken_ms: int, tail: str) -> str:
+    """An owner token with the lock's record: ``"<owner>/<taken ms>/<tail>"`` (`record_tail`)."""
+    return f"{owner}{RECORD_MARK}{taken_ms}{RECORD_MARK}{tail}"
+
+
+def unsent_value(token: str, task_id: str) -> str:
+    """The value of a lock with a record whose send no broker has accepted yet."""
+    return lock_value(token, task_id) + UNSENT_MARK
+
+
 def record_tail(policy: str, task_name: str | None) -> str:
     """What the acquire script writes after the owner and the time: policy, and the name.
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Final
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from taskiq_deduplication._formats import RECORD_MARK, UNSENT_MARK, lock_value
+from taskiq_deduplication._formats import lock_value, recorded_token, unsent_value
 from taskiq_deduplication._pipeline import (
     Pipeline,
     ScriptCall,
@@ -233,8 +233,8 @@ class LockStore:
             # The record's time is the sender's clock (what the locks page shows
             # as the lock's age): asking the server for it cost every acquire a
             # TIME and the string work around it.
-            token = f"{token}{RECORD_MARK}{time.time_ns() // 1_000_000}{RECORD_MARK}{record}"
-            value = f"{token} {lock.task_id}{UNSENT_MARK}"
+            token = recorded_token(token, time.time_ns() // 1_000_000, record)
+            value = unsent_value(token, lock.task_id)
         try:
             if merge_key is None and fence_key is None:
                 reply = await self._pipeline.call(
@@ -303,7 +303,13 @@ class LockStore:
         ):
             # Most exclusive runs: a "finished" lock that is its own run slot,
             # nothing beside it. A script that reads and writes only the lock.
-            keys, args = _claim_of_own_slot(lock, run, done)
+            keys = [lock.key, done.key if done is not None else lock.key]
+            args: list[str | int] = [
+                lock.value,
+                lock.ttl_ms,
+                run.token,
+                done.call if done is not None else "",
+            ]
             reply = await self._pipeline.call(self._claim, keys, args, linger=linger)
         else:
             keys = [
@@ -539,17 +545,3 @@ def call_timeout(client: RedisClient) -> float:
         kwargs = client.connection_pool.connection_kwargs
     timeout = kwargs.get("socket_timeout")
     return float(timeout) if timeout else _DEFAULT_TIMEOUT
-
-
-def _claim_of_own_slot(
-    lock: Lock, run: Lock, done: Done | None
-) -> tuple[list[str], list[str | int]]:
-    """The keys and arguments of `claim.lua` for ``run`` of ``lock``, its own run slot."""
-    keys = [lock.key, done.key if done is not None else lock.key]
-    args: list[str | int] = [
-        lock.value,
-        lock.ttl_ms,
-        run.token,
-        done.call if done is not None else "",
-    ]
-    return keys, args
