@@ -1,14 +1,17 @@
-"""Two small real brokers for tests where the queue itself matters.
+"""The brokers of the tests: two small real ones, and the type of the fixture that builds them.
 
 Both are ``InMemoryBroker`` with one change to ``kick``: ``HoldingBroker`` keeps
 the messages until the test delivers them (a queue the test controls, so a task
 can wait "in the queue" while the test looks at its lock); ``RefusingBroker``
-refuses every message, as a broker that is down does.
+refuses every message, as a broker that is down does. ``BrokerFactory`` is the
+type of the ``make_broker`` fixture (``tests/conftest.py``), which builds any of
+them with a deduplication middleware.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar, overload
 
 from taskiq import (
     BrokerMessage,
@@ -38,6 +41,55 @@ class HoldingBroker(InMemoryBroker):
     async def deliver_one(self) -> None:
         """Run the oldest queued message; what it sends stays queued."""
         await self.receiver.callback(message=self.queued.pop(0).message)
+
+
+BrokerT = TypeVar("BrokerT", bound=InMemoryBroker)
+
+
+class BrokerFactory(Protocol):
+    """The type of the ``make_broker`` fixture."""
+
+    @overload
+    async def __call__(
+        self,
+        *,
+        broker_class: type[BrokerT],
+        middlewares: list[TaskiqMiddleware] | None = None,
+        await_inplace: bool = False,
+        retries: int | None = None,
+        **options: Any,
+    ) -> BrokerT: ...
+
+    @overload
+    async def __call__(
+        self,
+        *,
+        middlewares: list[TaskiqMiddleware] | None = None,
+        await_inplace: bool = False,
+        retries: int | None = None,
+        **options: Any,
+    ) -> InMemoryBroker: ...
+
+
+async def queued_job(make_broker: BrokerFactory) -> tuple[HoldingBroker, Any]:
+    """A started ``HoldingBroker`` (a queue the test delivers) and a task ``job()``, a no-op."""
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    async def job() -> None: ...
+
+    return broker, broker.register_task(job)
+
+
+async def merged_into(call: Callable[[], Awaitable[Any]]) -> str:
+    """Make a ``kiq`` that merges into its queued holder; the holder's task_id it hands back.
+
+    A merged call is no refusal (issue 31): ``kiq`` raises nothing and returns
+    the handle of the holder, which will run with the call's arguments. A
+    call that is refused instead fails the test with its ``DuplicateTaskError``.
+    """
+    handle = await call()
+    task_id: str = handle.task_id
+    return task_id
 
 
 class BrokerDownError(ConnectionError):

@@ -1,4 +1,8 @@
-"""Shared fixtures: a real Redis for the whole session, and isolation per test.
+"""The suite's pytest hooks and fixtures: a real Redis for the session, isolation per test.
+
+Only what pytest must find here: the helpers that tests import are in the
+``tests/_*.py`` modules beside it (``_brokers``, ``_locks``, ``_middlewares``,
+``_topologies``, ...), which these hooks and fixtures use as well.
 
 ``REDIS_URL`` points the suite at an existing server; without it the session
 starts its own throwaway server (see ``tests/_server.py``): with pytest-xdist
@@ -7,35 +11,40 @@ of its own. Every test gets a key prefix of its own and its keys are deleted
 afterwards: the suite's tests are built on the shipped pytest plugin's helper
 (``taskiq_deduplication.testing.Deduplication``), as an application's would be.
 
-A core behaviour test decorated with ``@all_topologies()`` runs three times: on
-that single server, on a 3-primary Redis Cluster and on a Sentinel-managed
-primary (as ``limits``' ``all_storage`` runs its storage tests); the Cluster and
-the Sentinel set are started once per session, when a test first needs them,
-and a test skips, saying why, where they cannot start.
+A core behaviour test decorated with ``@all_topologies()`` (``tests/_topologies.py``)
+runs three times: on that single server, on a 3-primary Redis Cluster and on a
+Sentinel-managed primary; the Cluster and the Sentinel set are started once per
+session, when a test first needs them, and a test skips, saying why, where they
+cannot start.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar, cast, overload
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 import redis.asyncio
 from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.sentinel import Sentinel
-from taskiq import InMemoryBroker, SimpleRetryMiddleware, SmartRetryMiddleware, TaskiqMiddleware
+from taskiq import InMemoryBroker, SimpleRetryMiddleware, TaskiqMiddleware
 
 from taskiq_deduplication import RedisDeduplicationMiddleware
-from taskiq_deduplication._heartbeat import Beat
-from taskiq_deduplication._wire_probe import WIRE_ENV, lean_fits, misfit_of
 from taskiq_deduplication.testing import Deduplication
-from tests import _xdist
-from tests._brokers import HoldingBroker, retry_middleware
+from tests import _recoveries, _xdist
+from tests._brokers import BrokerFactory, HoldingBroker, retry_middleware
+from tests._middlewares import MiddlewareFactory
 from tests._server import Server
+from tests._teardown import closed_after, owned
+from tests._topologies import (
+    TOPOLOGIES_ENV,
+    Topology,
+    cluster_client,
+    primary_client,
+    start_or_skip,
+)
+from tests._wires import BOTH_WIRES, use_wire
 from tests.topologies._servers import Cluster, Sentinels
 
 # Running the suite in parallel (pytest-xdist, `pytest -n auto`)
@@ -90,11 +99,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return _xdist.make_scheduler(config, log)
 
 
-#: The name of the user property under which a fault test reports a recovery time
-#: (``tests/faults/conftest.py``), printed in the terminal summary.
-RECOVERY_PROPERTY = "dedup_recovery"
-
-_RECOVERIES: list[tuple[str, str, float]] = []
+# The fault tests' recovery times (tests/_recoveries.py)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -103,31 +108,15 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     Under pytest-xdist this runs in the controller with the reports the workers
     send, so the summary has the measurements of every worker.
     """
-    if report.when != "call":
-        return
-    for name, value in report.user_properties:
-        if name == RECOVERY_PROPERTY:
-            what, seconds = cast("tuple[str, float]", value)
-            _RECOVERIES.append((report.nodeid.rsplit("::", 1)[-1], str(what), float(seconds)))
+    _recoveries.collect(report)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """Print the recovery times that the fault tests measured."""
-    if not _RECOVERIES:
-        return
-    terminalreporter.section("fault recovery times")
-    for test, what, seconds in _RECOVERIES:
-        terminalreporter.write_line(f"{seconds * 1000:9.0f} ms  {what}  [{test}]")
+    _recoveries.print_summary(terminalreporter)
 
 
-# The two ways through redis-py (src/taskiq_deduplication/_redis_wire.py)
-
-#: The modules whose tests run on both ways: the pipeline's mechanics (a hung
-#: server, a lost script cache, a shutdown cut short), its recovery from a
-#: restart or a failover, and the round trips that runs share.
-BOTH_WIRES = frozenset(
-    {"tests/faults/test_pipeline.py", "tests/test_redis_trouble.py", "tests/test_sharing.py"}
-)
+# The two ways through redis-py (tests/_wires.py)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -141,39 +130,16 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def redis_wire(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str | None:
     """The way lock calls go through redis-py, for the tests of ``BOTH_WIRES``.
 
-    ``"public"`` forces the fallback on redis-py's public API (and fails the test
-    unless the probe then picks it); ``"lean"`` is the default way, and skips
-    a test where the probe finds that this redis-py does not allow it. Every
-    other test runs on the way the environment gives (``None``).
+    ``"lean"`` or ``"public"`` (see ``use_wire``); every other test runs on the
+    way the environment gives (``None``).
     """
     wire: str | None = getattr(request, "param", None)
-    if wire is None:
-        return None
-    if wire == "public":
-        monkeypatch.setenv(WIRE_ENV, "public")
-    else:
-        monkeypatch.delenv(WIRE_ENV, raising=False)
-    probed = redis.asyncio.Redis().connection_pool.make_connection()  # type: ignore[no-untyped-call]
-    lean = lean_fits(probed)
-    if wire == "public":
-        assert not lean, f"{WIRE_ENV}=public did not make the probe pick the public way"
-    elif not lean:
-        pytest.skip(f"the lean way does not fit this redis-py: {misfit_of(probed)}")
+    if wire is not None:
+        use_wire(wire, monkeypatch)
     return wire
 
 
-ThingT = TypeVar("ThingT")
-
-
-def owned(thing: ThingT, end: Callable[[ThingT], object]) -> Iterator[ThingT]:
-    """Yield ``thing`` to a fixture's test, and ``end`` it afterwards whatever happened.
-
-    A fixture that starts something writes ``yield from owned(started, stop)``.
-    """
-    try:
-        yield thing
-    finally:
-        end(thing)
+# The session's Redis, and a prefix of each test's own
 
 
 @pytest.fixture(scope="session")
@@ -214,18 +180,7 @@ def dedup(dedup_redis_url: str) -> Iterator[Deduplication]:
     yield from owned(helper, Deduplication._finish)
 
 
-# Topologies: one test over a single server, a Cluster and a Sentinel set
-
-
-TopologyT = TypeVar("TopologyT")
-
-
-def start_or_skip(start: Callable[[], TopologyT], what: str) -> TopologyT:
-    """Start a topology of servers, or skip the test where this machine cannot."""
-    try:
-        return start()
-    except (OSError, RuntimeError) as exc:
-        pytest.skip(f"no {what} could be started here: {exc}")
+# Topologies: one test over a single server, a Cluster and a Sentinel set (tests/_topologies.py)
 
 
 @pytest.fixture(scope="session")
@@ -238,69 +193,6 @@ def cluster() -> Iterator[Cluster]:
 def sentinels() -> Iterator[Sentinels]:
     """A primary, a replica and three sentinels, started once for the session."""
     yield from owned(start_or_skip(Sentinels().start, "Sentinel set"), Sentinels.stop)
-
-
-def cluster_client(nodes: Cluster) -> RedisCluster:
-    """A cluster client found from one node's URL, as the docs say to build it."""
-    return RedisCluster.from_url(nodes.url, decode_responses=True)
-
-
-def primary_client(watched: Sentinels, *, socket_timeout: float = 0.5) -> redis.asyncio.Redis:
-    """The client the docs recommend: the sentinels' current primary, short timeouts.
-
-    ``socket_timeout`` is also the middleware's budget for a lock call, from
-    the moment it is made (see ``docs/reliability.md``).
-    """
-    sentinel = Sentinel(watched.addresses, socket_timeout=0.5)  # type: ignore[no-untyped-call,unused-ignore]
-    client: redis.asyncio.Redis = sentinel.master_for(
-        watched.service,
-        socket_timeout=socket_timeout,
-        socket_connect_timeout=0.5,
-        decode_responses=True,
-    )
-    return client
-
-
-#: The topologies a test decorated with ``all_topologies()`` runs on.
-TOPOLOGIES = ("single", "cluster", "sentinel")
-#: Set to a comma-separated subset of ``TOPOLOGIES`` to skip the others (``single``).
-TOPOLOGIES_ENV = "DEDUP_TEST_TOPOLOGIES"
-
-
-def all_topologies(*, hash_tag: bool = False) -> pytest.MarkDecorator:
-    """Run the test on each topology (``limits``' ``all_storage``, for this middleware).
-
-    Args:
-        hash_tag: On the Cluster, put the test's prefix in a hash tag
-            (``{test:...}``): a task that merges its calls, takes a fence or
-            keeps a run slot needs its lock and the keys beside it in one slot.
-            Without it the test's locks spread over every primary.
-    """
-    # Under pytest-xdist, one worker runs every test of a topology: one Cluster
-    # and one Sentinel set for the whole run, not one per worker.
-    return pytest.mark.parametrize(
-        "topology",
-        [
-            pytest.param("single", id="single"),
-            pytest.param(
-                "cluster{}" if hash_tag else "cluster",
-                id="cluster",
-                marks=pytest.mark.xdist_group("cluster"),
-            ),
-            pytest.param("sentinel", id="sentinel", marks=pytest.mark.xdist_group("sentinel")),
-        ],
-        indirect=True,
-    )
-
-
-@dataclass
-class Topology:
-    """Where a test's locks live: the key prefix, and the client the middlewares share."""
-
-    name: str
-    prefix: str
-    client: redis.asyncio.Redis | None = None
-    """``None`` on the single server: each middleware builds its own from the URL."""
 
 
 @pytest.fixture
@@ -335,29 +227,6 @@ async def sentinel_redis(
         yield client
 
 
-ClientT = TypeVar("ClientT", redis.asyncio.Redis, RedisCluster)
-
-
-async def closed_after(client: ClientT, prefix: str) -> AsyncIterator[ClientT]:
-    """Yield ``client``; then delete the keys under ``prefix`` through it and close it."""
-    try:
-        yield client
-    finally:
-        await delete_keys(client, prefix)
-        await client.aclose()
-
-
-async def delete_keys(client: redis.asyncio.Redis | RedisCluster, prefix: str) -> None:
-    """Delete the locks under ``prefix`` (bare or hash-tagged) and the keys beside them.
-
-    Beside them: merged arguments, run slots, the fence counter.
-    """
-    for under in (prefix, f"{{{prefix}}}"):
-        keys = [key async for key in client.scan_iter(match=f"{under}[:#]*")]
-        if keys:
-            await client.delete(*keys)
-
-
 @pytest.fixture
 def prefix(topology: Topology) -> str:
     """A key prefix no other test uses."""
@@ -376,7 +245,7 @@ async def redis_client(redis_url: str, topology: Topology) -> AsyncIterator[redi
         yield client
 
 
-MiddlewareFactory = Callable[..., RedisDeduplicationMiddleware]
+# The middlewares and brokers a test builds (their types: tests/_middlewares.py, _brokers.py)
 
 
 @pytest.fixture
@@ -392,24 +261,6 @@ def make_middleware(dedup: Deduplication, topology: Topology) -> MiddlewareFacto
     return make
 
 
-TestT = TypeVar("TestT", bound=Callable[..., Any])
-
-
-def each_retry_order(test: TestT) -> TestT:
-    """Run ``test`` with each of taskiq's retry middlewares, before and after deduplication.
-
-    The test asks for ``retry_and_dedup``, the two middlewares in the order of its case.
-    """
-    each_class = pytest.mark.parametrize(
-        "retry_class", [SimpleRetryMiddleware, SmartRetryMiddleware]
-    )
-    each_side = pytest.mark.parametrize(
-        "retry_first", [True, False], ids=["retry-first", "dedup-first"]
-    )
-    # A mark decorator returns what it decorates; pytest types that as Any.
-    return cast("TestT", each_side(each_class(test)))
-
-
 @pytest.fixture
 def retry_and_dedup(
     make_middleware: MiddlewareFactory, retry_class: type[TaskiqMiddleware], retry_first: bool
@@ -421,35 +272,6 @@ def retry_and_dedup(
     """
     retry, dedup = retry_middleware(retry_class), make_middleware()
     return [retry, dedup] if retry_first else [dedup, retry]
-
-
-BrokerT = TypeVar("BrokerT", bound=InMemoryBroker)
-_Key = TypeVar("_Key", bound=str | bytes)
-
-
-class BrokerFactory(Protocol):
-    """The type of the ``make_broker`` fixture."""
-
-    @overload
-    async def __call__(
-        self,
-        *,
-        broker_class: type[BrokerT],
-        middlewares: list[TaskiqMiddleware] | None = None,
-        await_inplace: bool = False,
-        retries: int | None = None,
-        **options: Any,
-    ) -> BrokerT: ...
-
-    @overload
-    async def __call__(
-        self,
-        *,
-        middlewares: list[TaskiqMiddleware] | None = None,
-        await_inplace: bool = False,
-        retries: int | None = None,
-        **options: Any,
-    ) -> InMemoryBroker: ...
 
 
 @pytest.fixture
@@ -498,80 +320,3 @@ async def broker(make_broker: BrokerFactory) -> HoldingBroker:
     A test that needs options of its own, or a second broker, asks for ``make_broker``.
     """
     return await make_broker(broker_class=HoldingBroker)
-
-
-async def queued_job(make_broker: BrokerFactory) -> tuple[HoldingBroker, Any]:
-    """A started ``HoldingBroker`` (a queue the test delivers) and a task ``job()``, a no-op."""
-    broker = await make_broker(broker_class=HoldingBroker)
-
-    async def job() -> None: ...
-
-    return broker, broker.register_task(job)
-
-
-def without_done(keys: Iterable[_Key]) -> list[_Key]:
-    """``keys`` less the calls remembered for copies of their messages (``<prefix>#done:*``).
-
-    A run that succeeds leaves one, which expires with the redelivery window:
-    the one thing a run leaves behind on purpose (`test_runs_once.py` checks it).
-    """
-    mark = "#done:"
-    return [key for key in keys if mark not in (key.decode() if isinstance(key, bytes) else key)]
-
-
-async def merged_into(call: Callable[[], Awaitable[Any]]) -> str:
-    """Make a ``kiq`` that merges into its queued holder; the holder's task_id it hands back.
-
-    A merged call is no refusal (issue 31): ``kiq`` raises nothing and returns
-    the handle of the holder, which will run with the call's arguments. A
-    call that is refused instead fails the test with its ``DuplicateTaskError``.
-    """
-    handle = await call()
-    task_id: str = handle.task_id
-    return task_id
-
-
-async def lock_keys(client: redis.asyncio.Redis, prefix: str) -> list[str]:
-    """The lock keys under ``prefix``, sorted."""
-    return sorted([key async for key in client.scan_iter(match=f"{prefix}:*")])
-
-
-async def lock_value(client: redis.asyncio.Redis, key: str) -> str:
-    """The value of a lock, ``"<owner token> <task_id>"``; fails if there is none."""
-    value = await client.get(key)
-    assert isinstance(value, str), f"no lock at {key!r}"
-    return value
-
-
-async def wait_until(condition: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
-    """Poll ``condition`` until it holds; fail after ``timeout`` seconds."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not await condition():
-        if loop.time() > deadline:
-            msg = f"condition not met within {timeout}s"
-            raise AssertionError(msg)
-        await asyncio.sleep(0.02)
-
-
-def running_beats(middleware: RedisDeduplicationMiddleware) -> list[Beat]:
-    """The locks that ``middleware``'s heartbeat keeps alive in this event loop."""
-    state = middleware._states.get()
-    return [] if state is None else list(state.heartbeat._beats)
-
-
-def client_of(middleware: RedisDeduplicationMiddleware) -> redis.asyncio.Redis:
-    """The Redis client ``middleware`` uses in this event loop (after its startup)."""
-    state = middleware._states.get()
-    assert state is not None, "the middleware has not started in this event loop"
-    assert isinstance(state.client, redis.asyncio.Redis)
-    return state.client
-
-
-def dedup_middleware(broker: InMemoryBroker) -> RedisDeduplicationMiddleware:
-    """The deduplication middleware registered on ``broker``."""
-    for middleware in broker.middlewares:
-        if isinstance(middleware, RedisDeduplicationMiddleware):
-            return middleware
-    msg = "no RedisDeduplicationMiddleware on this broker"
-    raise LookupError(msg)

@@ -14,9 +14,10 @@ from taskiq import InMemoryBroker
 
 import taskiq_deduplication
 from taskiq_deduplication import DuplicateTaskError, InvalidSettingError
-from taskiq_deduplication._formats import read_lock_value
+from taskiq_deduplication.model.formats import read_lock_value
 from tests._brokers import HoldingBroker
-from tests.conftest import MiddlewareFactory, lock_keys, lock_value
+from tests._locks import lock_keys, lock_value
+from tests._middlewares import MiddlewareFactory
 
 
 async def test_a_misspelt_label_at_the_call_site_is_refused_naming_the_right_one(

@@ -35,22 +35,11 @@ from taskiq_deduplication import (
     kiq_or_join,
 )
 from taskiq_deduplication.calls import takes_task_lock
-from tests._brokers import HoldingBroker, retry_middleware
+from tests._brokers import BrokerFactory, HoldingBroker, merged_into, queued_job, retry_middleware
+from tests._locks import lock_keys, lock_value, wait_until, without_done
+from tests._middlewares import MiddlewareFactory, dedup_middleware, each_retry_order, running_beats
 from tests._server import Server
-from tests.conftest import (
-    BrokerFactory,
-    MiddlewareFactory,
-    all_topologies,
-    dedup_middleware,
-    each_retry_order,
-    lock_keys,
-    lock_value,
-    merged_into,
-    queued_job,
-    running_beats,
-    wait_until,
-    without_done,
-)
+from tests._topologies import all_topologies
 from tests.test_redis_trouble import FAST
 
 

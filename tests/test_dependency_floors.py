@@ -14,8 +14,9 @@ import pydantic
 from taskiq import InMemoryBroker
 
 from taskiq_deduplication import DuplicateTaskError
-from taskiq_deduplication._fingerprint import call_fingerprint
-from tests.conftest import BrokerFactory, MiddlewareFactory
+from taskiq_deduplication.model.fingerprint import call_fingerprint
+from tests._brokers import BrokerFactory
+from tests._middlewares import MiddlewareFactory
 
 
 async def test_the_lock_life_cycle_uses_only_what_every_redis_py_has(

@@ -21,9 +21,11 @@ import redis.asyncio
 from taskiq import BrokerMessage, InMemoryBroker
 
 from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
-from tests._brokers import HoldingBroker
+from taskiq_deduplication.middleware import loop_states
+from tests._brokers import BrokerFactory, HoldingBroker
+from tests._locks import lock_keys, wait_until
+from tests._middlewares import MiddlewareFactory
 from tests._server import Server
-from tests.conftest import BrokerFactory, MiddlewareFactory, lock_keys, wait_until
 
 
 class _RunsAllButOther(InMemoryBroker):
@@ -114,7 +116,7 @@ def test_threads_with_loops_of_their_own_each_lock_and_close_cleanly(server: Ser
         assert outcomes == ["refused, held by True"] * 8
         assert len(admin.keys("threads:*")) == 8
         assert len(admin.client_list()) == before
-        assert len(middleware._states) == 0  # every loop's state closed with its loop
+        assert len(loop_states(middleware)) == 0  # every loop's state closed with its loop
     finally:
         admin.close()
 
@@ -136,11 +138,11 @@ async def test_a_loop_closed_without_shutting_down_its_generators_is_dropped(
             loop.close()  # no shutdown_asyncgens(): its state stays behind, unusable
 
     await asyncio.get_running_loop().run_in_executor(None, in_a_bare_loop)
-    assert len(middleware._states) == 1
+    assert len(loop_states(middleware)) == 1
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
         await middleware.startup()  # a state for this loop; the closed loop's goes
-        assert len(middleware._states) == 1
+        assert len(loop_states(middleware)) == 1
         # The sender task that loop made in its last turn never ran; dropped with
         # its state, it is not "never awaited" whenever the collector finds it.
         gc.collect()
@@ -148,7 +150,7 @@ async def test_a_loop_closed_without_shutting_down_its_generators_is_dropped(
     await job.kiq(n=2)
     assert len(await lock_keys(redis_client, prefix)) == 2
     await middleware.shutdown()
-    assert len(middleware._states) == 0
+    assert len(loop_states(middleware)) == 0
 
 
 # One middleware, one broker

@@ -18,8 +18,9 @@ from taskiq_deduplication import (
     RedisDeduplicationMiddleware,
     kiq_or_join,
 )
-from tests._brokers import HoldingBroker
-from tests.conftest import BrokerFactory, MiddlewareFactory, dedup_middleware, lock_keys
+from tests._brokers import BrokerFactory, HoldingBroker
+from tests._locks import lock_keys
+from tests._middlewares import MiddlewareFactory, dedup_middleware
 
 LOCKED, DUPLICATE, OFF = LockEventKind.LOCKED, LockEventKind.DUPLICATE, LockEventKind.OFF
 RELEASED, TAKEN_BACK, LOST = LockEventKind.RELEASED, LockEventKind.TAKEN_BACK, LockEventKind.LOST

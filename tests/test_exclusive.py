@@ -26,21 +26,12 @@ from taskiq import (
 from taskiq.exceptions import SendTaskError
 
 from taskiq_deduplication import DuplicateTaskError, LockEventKind
-from taskiq_deduplication._formats import holder_task_id
-from taskiq_deduplication._store import Lock, LockStore
-from tests._brokers import HoldingBroker, retry_middleware
-from tests.conftest import (
-    BrokerFactory,
-    MiddlewareFactory,
-    all_topologies,
-    dedup_middleware,
-    lock_keys,
-    lock_value,
-    merged_into,
-    queued_job,
-    running_beats,
-    without_done,
-)
+from taskiq_deduplication.model.formats import holder_task_id
+from taskiq_deduplication.store.lock_store import Lock, LockStore
+from tests._brokers import BrokerFactory, HoldingBroker, merged_into, queued_job, retry_middleware
+from tests._locks import answered, lock_keys, lock_value, ready, without_done
+from tests._middlewares import MiddlewareFactory, dedup_middleware, running_beats
+from tests._topologies import all_topologies
 
 
 class Runs:
@@ -584,15 +575,15 @@ async def test_a_claim_sent_again_finds_its_own_run_and_begins(
     """
     client = redis.asyncio.Redis.from_url(redis_url)
     store = LockStore(client)
-    await store.load_scripts()
+    await ready(store)
     try:
         lock = Lock(f"{prefix}:again", "tok/1/f", "task-1", 30_000)
-        assert (await store.acquire(lock, 30_000)).holder is None
+        assert answered(await store.acquire(lock, 30_000)).holder is None
         beside = policy != "finished"
         run = Lock(f"{prefix}#run:again" if beside else lock.key, "~ok/1/f", "task-1", 30_000)
         step = {"finished": "reassert", "started": "release", "expired": "nothing"}[policy]
         for _ in range(2):
-            claimed = await store.claim(lock, step=step, run=run)
+            claimed = answered(await store.claim(lock, step=step, run=run))
             assert claimed.wait_ms == 0
             assert claimed.skipped_for is None
         assert await redis_client.get(run.key) == run.value  # no " +" after it

@@ -19,21 +19,12 @@ from taskiq import (
 )
 
 from taskiq_deduplication import DuplicateTaskError
-from taskiq_deduplication._formats import holder_task_id
-from tests._brokers import HoldingBroker, KeptSchedules
+from taskiq_deduplication.model.formats import holder_task_id
+from tests._brokers import BrokerFactory, HoldingBroker, KeptSchedules, queued_job
+from tests._locks import lock_keys, lock_value, wait_until
+from tests._middlewares import MiddlewareFactory, dedup_middleware, each_retry_order, running_beats
 from tests._tasks import all_running, held_slow
-from tests.conftest import (
-    BrokerFactory,
-    MiddlewareFactory,
-    all_topologies,
-    dedup_middleware,
-    each_retry_order,
-    lock_keys,
-    lock_value,
-    queued_job,
-    running_beats,
-    wait_until,
-)
+from tests._topologies import all_topologies
 
 
 @all_topologies()

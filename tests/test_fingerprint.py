@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from taskiq_deduplication._fingerprint import call_fingerprint, fields_fingerprint
+from taskiq_deduplication.model.fingerprint import call_fingerprint, fields_fingerprint
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
@@ -132,7 +132,7 @@ STABLE_SCRIPT = """
 import datetime, decimal, json, sys, uuid
 sys.path[:0] = json.loads(sys.argv[1])
 from tests.test_fingerprint import RICH
-from taskiq_deduplication._fingerprint import call_fingerprint
+from taskiq_deduplication.model.fingerprint import call_fingerprint
 print(call_fingerprint("t", [{"s", "e", "t"}], RICH))
 """
 

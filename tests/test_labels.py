@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from taskiq_deduplication._formats import RecordedLock, read_lock_labels
-from taskiq_deduplication._settings import Defaults, SendOptions, read_send_options
+from taskiq_deduplication.model.formats import RecordedLock, read_lock_labels
+from taskiq_deduplication.model.settings import Defaults, SendOptions, read_send_options
 
 
 def options(**labels: object) -> SendOptions | None:

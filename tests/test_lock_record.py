@@ -19,16 +19,17 @@ import pytest
 from taskiq import TaskiqMessage
 
 from taskiq_deduplication import DuplicateTaskError, LockEvent, LockEventKind, Locks, kiq_or_join
-from taskiq_deduplication._formats import (
+from taskiq_deduplication.exceptions import UNSENT_HOLDER
+from taskiq_deduplication.model.formats import (
     LOCK_OWNER_LABEL,
     new_run_token,
     new_token,
     read_lock_value,
 )
-from taskiq_deduplication._store import Lock, LockStore, Reasserted
-from taskiq_deduplication.exceptions import UNSENT_HOLDER
-from tests._brokers import HoldingBroker
-from tests.conftest import BrokerFactory, dedup_middleware, lock_keys, lock_value, wait_until
+from taskiq_deduplication.store.lock_store import Lock, LockStore, Reasserted
+from tests._brokers import BrokerFactory, HoldingBroker
+from tests._locks import answered, lock_keys, lock_value, wait_until
+from tests._middlewares import dedup_middleware
 
 if TYPE_CHECKING:
     import redis.asyncio
@@ -212,13 +213,13 @@ async def test_a_lock_of_an_older_version_is_read_refused_extended_claimed_and_r
     store = LockStore(redis_client)
     try:
         other = Lock(key, new_token(), "another", 60_000)
-        assert (await store.acquire(other, 10_000, record="f")).holder == old.value
+        assert answered(await store.acquire(other, 10_000, record="f")).holder == old.value
         assert await store.extend(old, 30_000)
         assert await store.held(old)
         assert await store.reassert([old]) == [Reasserted.REFRESHED]
         assert await lock_value(redis_client, key) == old.value  # no record is added
         run = Lock(key, new_run_token(old.token), old.task_id, 30_000)
-        claimed = await store.claim(old, step="reassert", run=run)
+        claimed = answered(await store.claim(old, step="reassert", run=run))
         assert claimed.outcome == Reasserted.REFRESHED
         assert await lock_value(redis_client, key) == run.value
         assert await store.finish(run, "failed")
@@ -228,7 +229,7 @@ async def test_a_lock_of_an_older_version_is_read_refused_extended_claimed_and_r
         # A retry of the old send takes its lock over, and records itself.
         await redis_client.set(key, old.value, px=60_000)
         retry = Lock(key, new_token(), old.task_id, 60_000)
-        taken = await store.acquire(retry, 10_000, replaces=old.value, record="f")
+        taken = answered(await store.acquire(retry, 10_000, replaces=old.value, record="f"))
         assert taken.holder is None
         assert taken.token is not None
         assert taken.token.startswith(retry.token + "/")

@@ -11,8 +11,9 @@ import pytest
 import redis.asyncio
 
 from taskiq_deduplication import DuplicateTaskError, InvalidArgumentError, LockInfo, Locks
-from tests._brokers import HoldingBroker
-from tests.conftest import BrokerFactory, dedup_middleware, lock_keys
+from tests._brokers import BrokerFactory, HoldingBroker
+from tests._locks import lock_keys
+from tests._middlewares import dedup_middleware
 
 _HOLDER = "0123456789abcdef0123456789abcdef"
 

@@ -11,9 +11,9 @@ import pytest
 import redis.asyncio
 
 from taskiq_deduplication import DuplicateTaskError, kiq_or_join
-from tests._brokers import HoldingBroker
+from tests._brokers import BrokerFactory, HoldingBroker
+from tests._middlewares import MiddlewareFactory
 from tests._server import free_port
-from tests.conftest import BrokerFactory, MiddlewareFactory
 
 # The metrics extra; .ci/floors runs the suite without it.
 pytest.importorskip("prometheus_client")

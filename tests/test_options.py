@@ -11,9 +11,9 @@ import redis.asyncio
 from pydantic import RedisDsn
 
 from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
-from tests._brokers import HoldingBroker
+from tests._brokers import BrokerFactory, HoldingBroker
+from tests._middlewares import client_of
 from tests._server import free_port
-from tests.conftest import BrokerFactory, client_of
 
 
 def test_defaults_are_the_documented_ones() -> None:

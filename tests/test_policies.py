@@ -22,19 +22,11 @@ from taskiq import (
 )
 
 from taskiq_deduplication import DeduplicationError, DuplicateTaskError
-from tests._brokers import HoldingBroker, KeptSchedules
+from tests._brokers import BrokerFactory, HoldingBroker, KeptSchedules, queued_job
+from tests._locks import lock_keys, lock_value
+from tests._middlewares import MiddlewareFactory, dedup_middleware, each_retry_order, running_beats
+from tests._topologies import all_topologies
 from tests.benchmarks.harness import Traffic
-from tests.conftest import (
-    BrokerFactory,
-    MiddlewareFactory,
-    all_topologies,
-    dedup_middleware,
-    each_retry_order,
-    lock_keys,
-    lock_value,
-    queued_job,
-    running_beats,
-)
 
 # The labels of each policy under test, and the table of docs/usage.md: whether
 # a second identical call is refused while the first is queued, while it runs,

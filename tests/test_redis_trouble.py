@@ -23,8 +23,8 @@ from taskiq import (
 
 from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
 from tests._brokers import HoldingBroker
+from tests._locks import without_done
 from tests._server import Server
-from tests.conftest import without_done
 
 FAST = "?socket_timeout=0.5&socket_connect_timeout=0.5"
 

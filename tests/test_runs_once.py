@@ -21,8 +21,9 @@ from taskiq import AckableMessage, BrokerMessage, TaskiqMessage, TaskiqMiddlewar
 from taskiq.abc.result_backend import AsyncResultBackend
 
 from taskiq_deduplication import DuplicateTaskError, LockEventKind, ResultLostError
-from tests._brokers import HoldingBroker
-from tests.conftest import BrokerFactory, MiddlewareFactory, all_topologies, dedup_middleware
+from tests._brokers import BrokerFactory, HoldingBroker
+from tests._middlewares import MiddlewareFactory, dedup_middleware
+from tests._topologies import all_topologies
 
 
 class Observer(TaskiqMiddleware):

@@ -13,8 +13,8 @@ from taskiq import ScheduledTask
 from taskiq.schedule_sources import LabelScheduleSource
 
 from taskiq_deduplication import DeduplicationScheduler, DuplicateTaskError
+from tests._brokers import BrokerFactory
 from tests._tasks import held_report
-from tests.conftest import BrokerFactory
 
 
 async def test_a_refused_tick_is_logged_once_at_info_and_a_plain_kiq_still_raises(

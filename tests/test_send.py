@@ -16,19 +16,12 @@ import redis.asyncio
 from taskiq import AsyncTaskiqTask, BrokerMessage, SendTaskError
 
 from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
-from taskiq_deduplication import _pending as pending_module
-from taskiq_deduplication._formats import new_token
-from tests._brokers import HoldingBroker, RefusingBroker, holds_no_lock
-from tests.conftest import (
-    BrokerFactory,
-    Topology,
-    all_topologies,
-    dedup_middleware,
-    lock_keys,
-    lock_value,
-    primary_client,
-    queued_job,
-)
+from taskiq_deduplication.model.formats import new_token
+from taskiq_deduplication.send import pending as pending_module
+from tests._brokers import BrokerFactory, HoldingBroker, RefusingBroker, holds_no_lock, queued_job
+from tests._locks import lock_keys, lock_value
+from tests._middlewares import dedup_middleware
+from tests._topologies import Topology, all_topologies, primary_client
 
 
 @all_topologies()

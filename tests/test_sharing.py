@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio
 
-from taskiq_deduplication import _run as run_module
-from taskiq_deduplication._store import Lock, LockStore
-from tests._brokers import HoldingBroker
-from tests.conftest import BrokerFactory, lock_keys
+from taskiq_deduplication.run import runs as run_module
+from taskiq_deduplication.store.lock_store import Lock, LockStore
+from tests._brokers import BrokerFactory, HoldingBroker
+from tests._locks import answered, lock_keys, ready
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,7 +35,7 @@ async def store(redis_url: str) -> AsyncIterator[tuple[LockStore, list[float]]]:
     client = redis.asyncio.Redis.from_url(redis_url)
     trips: list[float] = []
     locks = LockStore(client, round_trip=trips.append)
-    await locks.load_scripts()
+    await ready(locks)
     try:
         yield locks, trips
     finally:
@@ -45,7 +45,7 @@ async def store(redis_url: str) -> AsyncIterator[tuple[LockStore, list[float]]]:
 
 async def _taken(locks: LockStore, prefix: str, name: str) -> Lock:
     lock = Lock(f"{prefix}:{name}", f"token-{name}", f"task-{name}", 30_000)
-    assert (await locks.acquire(lock, 30_000)).holder is None
+    assert answered(await locks.acquire(lock, 30_000)).holder is None
     return lock
 
 
@@ -71,7 +71,7 @@ async def test_a_lingering_call_waits_for_the_next_batch_and_keeps_its_place(
     # A call that does not linger takes them with it, in order: the release of
     # `second` goes before the acquire of its key by another owner.
     other = Lock(second.key, "token-other", "task-other", 30_000)
-    assert (await asyncio.wait_for(locks.acquire(other, 30_000), AT_ONCE)).holder is None
+    assert answered(await asyncio.wait_for(locks.acquire(other, 30_000), AT_ONCE)).holder is None
     assert await asyncio.gather(*waiting) == [True, True]
     assert len(trips) == before + 2
     assert await redis_client.get(second.key) == other.value
@@ -94,7 +94,7 @@ async def test_a_batch_that_takes_every_lingering_call_ends_their_timer(
     await asyncio.sleep(0)
     assert waiting_on_a_timer()  # it waits for company, until its timer
     other = Lock(second.key, "token-other", "task-other", 30_000)
-    assert (await asyncio.wait_for(locks.acquire(other, 30_000), AT_ONCE)).holder is None
+    assert answered(await asyncio.wait_for(locks.acquire(other, 30_000), AT_ONCE)).holder is None
     assert await lingering
     assert not waiting_on_a_timer()  # nothing waits for company any more
     before = len(trips)

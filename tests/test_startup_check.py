@@ -7,7 +7,8 @@ import redis.asyncio
 from taskiq import AsyncBroker, InMemoryBroker
 
 from taskiq_deduplication import DeduplicationError
-from tests.conftest import MiddlewareFactory, lock_keys
+from tests._locks import lock_keys
+from tests._middlewares import MiddlewareFactory
 
 
 async def test_startup_lists_every_bad_label_task_by_task(

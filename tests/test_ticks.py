@@ -28,12 +28,18 @@ from taskiq_deduplication import (
     DuplicateTaskError,
     RedisDeduplicationMiddleware,
 )
-from taskiq_deduplication._ticks import INTERVAL_MARGIN_MS, ONE_OFF_TTL_MS, CronPaths, tick_of
-from taskiq_deduplication.scheduler import replica
-from tests._brokers import KeptSchedules, RefusingBroker
+from taskiq_deduplication.scheduler.schedulers import replica
+from taskiq_deduplication.scheduler.ticks import (
+    INTERVAL_MARGIN_MS,
+    ONE_OFF_TTL_MS,
+    CronPaths,
+    tick_of,
+)
+from tests._brokers import BrokerFactory, KeptSchedules, RefusingBroker
+from tests._locks import wait_until
+from tests._middlewares import MiddlewareFactory, dedup_middleware
 from tests._server import Server
 from tests._tasks import Gate, held_report
-from tests.conftest import BrokerFactory, MiddlewareFactory, dedup_middleware, wait_until
 
 NOW = datetime(2026, 12, 2, 6, 0, 10, tzinfo=timezone.utc)
 

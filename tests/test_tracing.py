@@ -9,7 +9,7 @@ import pytest
 
 from taskiq_deduplication import DuplicateTaskError, kiq_or_join
 from tests._brokers import HoldingBroker
-from tests.conftest import MiddlewareFactory
+from tests._middlewares import MiddlewareFactory
 
 # The opentelemetry extra and the SDK; .ci/floors runs the suite without them.
 pytest.importorskip("opentelemetry.sdk")

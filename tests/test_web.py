@@ -32,9 +32,11 @@ from taskiq_deduplication import (
 )
 from taskiq_deduplication.cli import ExitCode
 from taskiq_deduplication.web import Action, allow_anyone, locks_app
-from tests._brokers import HoldingBroker
+from tests._brokers import BrokerFactory, HoldingBroker
 from tests._cli import dedup, one_line_error, start_dedup
-from tests.conftest import BrokerFactory, all_topologies, dedup_middleware, lock_keys
+from tests._locks import lock_keys
+from tests._middlewares import dedup_middleware
+from tests._topologies import all_topologies
 
 if TYPE_CHECKING:
     import redis.asyncio

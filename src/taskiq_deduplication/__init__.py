@@ -14,7 +14,6 @@ from taskiq_deduplication.__about__ import __version__
 
 if TYPE_CHECKING:
     from taskiq_deduplication.calls import JoinedTask, TaskLock, kiq_or_join
-    from taskiq_deduplication.events import LockEvent, LockEventKind
     from taskiq_deduplication.exceptions import (
         BacklogFullError,
         CallTimeoutError,
@@ -33,6 +32,7 @@ if TYPE_CHECKING:
     )
     from taskiq_deduplication.locks import LockInfo, Locks
     from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
+    from taskiq_deduplication.observe.events import LockEvent, LockEventKind
     from taskiq_deduplication.scheduler import DeduplicatedScheduleSource, DeduplicationScheduler
 
 __all__ = [
@@ -76,8 +76,8 @@ _MODULES: Final = {
     "InvalidArgumentError": "exceptions",
     "InvalidSettingError": "exceptions",
     "JoinedTask": "calls",
-    "LockEvent": "events",
-    "LockEventKind": "events",
+    "LockEvent": "observe.events",
+    "LockEventKind": "observe.events",
     "LockInfo": "locks",
     "Locks": "locks",
     "MissingMiddlewareError": "exceptions",

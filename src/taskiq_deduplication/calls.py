@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 from taskiq import AsyncTaskiqTask, Context, TaskiqDepends
 from taskiq.kicker import AsyncKicker
 
-from taskiq_deduplication._execution import run_of
 from taskiq_deduplication.exceptions import DuplicateTaskError, NoLockError
+from taskiq_deduplication.run.execution import run_of
+from taskiq_deduplication.store.lock_store import RedisFailed
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from taskiq.abc.result_backend import AsyncResultBackend
     from typing_extensions import ParamSpec
 
-    from taskiq_deduplication._execution import Execution
+    from taskiq_deduplication.run.execution import Execution
 
     P = ParamSpec("P")
 else:
@@ -205,7 +206,10 @@ class TaskLock:
         execution = self._execution
         if execution is None:
             return False
-        return await execution.state.locks.held(execution.holds)
+        held = await execution.state.locks.held(execution.holds)
+        if isinstance(held, RedisFailed):
+            held.raise_error()
+        return held
 
     def _run(self) -> Execution:
         if self._execution is None:

@@ -13,7 +13,7 @@ key a call would take::
 
 Locks are found with ``SCAN`` (never ``KEYS``), on every primary of a cluster,
 a batch at a time, and each batch is read in one pipelined round trip (``GET``
-and ``PTTL`` per key); the mechanics are in `_inspect.py`. A release is
+and ``PTTL`` per key); the mechanics are in `store/scan.py`. A release is
 owner-checked, as the middleware's own is, so it deletes only the lock that was
 read, never one a new send took meanwhile; what belongs to the lock (the
 arguments merged into its queued task) goes in the same step.
@@ -32,9 +32,8 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoPermissionError
 from taskiq.kicker import AsyncKicker
 
-from taskiq_deduplication import _inspect as inspect
-from taskiq_deduplication._client import connect
-from taskiq_deduplication._formats import (
+from taskiq_deduplication.exceptions import InvalidArgumentError
+from taskiq_deduplication.model.formats import (
     KEY_SEPARATOR,
     RUN_MARK,
     SUCCEEDED_MARK,
@@ -44,8 +43,9 @@ from taskiq_deduplication._formats import (
     namespace_patterns,
     read_lock_value,
 )
-from taskiq_deduplication._settings import check_prefix
-from taskiq_deduplication.exceptions import InvalidArgumentError
+from taskiq_deduplication.model.settings import check_prefix
+from taskiq_deduplication.store import scan as inspect
+from taskiq_deduplication.store.client import connect
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable

@@ -1,12 +1,10 @@
 """The middleware: its options, and the taskiq hooks that a deduplicated task passes.
 
-Each hook hands its work to the step it belongs to: `_send.py` takes the lock
-of a send and gives it its full TTL once the broker has the message;
-`_run.py` does what the lock's policy says at a run's start and end. The
-mechanics live next door: `_settings.py` reads the options and the labels,
-`_fingerprint.py`, `_keys.py` and `_formats.py` make the key and the value,
-`_store.py`, `_pipeline.py` and `_redis_wire.py` talk to Redis, `_heartbeat.py` refreshes locks,
-`_execution.py` follows a run and `_loops.py` keeps a state per event loop
+Each hook hands its work to the folder it belongs to: `send/` takes the lock of
+a send and gives it its full TTL once the broker has the message; `run/` does
+what the lock's policy says at a run's start and end, and keeps running locks
+alive. Below them, `model/` makes keys and values from the options and labels,
+`store/` talks to Redis and `observe/` tells subscribers, metrics and spans
 (`docs/how-it-works.md` maps them all).
 """
 
@@ -18,20 +16,20 @@ from typing import TYPE_CHECKING, Any
 
 from taskiq import TaskiqMessage, TaskiqMiddleware, TaskiqResult
 
-from taskiq_deduplication import _settings as settings
-from taskiq_deduplication import _tracing as tracing
-from taskiq_deduplication._client import check_connection, client_from_url
-from taskiq_deduplication._copies import watch_deliveries
-from taskiq_deduplication._execution import Executions, follow_runs
-from taskiq_deduplication._formats import DEFAULT_PREFIX, DEFAULT_UNTIL, MERGED_INTO_LABEL
-from taskiq_deduplication._loops import LoopStates, register_states
-from taskiq_deduplication._metrics import Metrics, process_metrics
-from taskiq_deduplication._pending import PendingSends
-from taskiq_deduplication._run import Runs
-from taskiq_deduplication._send import Sends
-from taskiq_deduplication.events import EventSink, Subscriber
-from taskiq_deduplication.exceptions import REDIS_ERRORS, InvalidSettingError, StartupError
+from taskiq_deduplication.exceptions import InvalidSettingError, StartupError
 from taskiq_deduplication.locks import Locks
+from taskiq_deduplication.model import settings
+from taskiq_deduplication.model.formats import DEFAULT_PREFIX, DEFAULT_UNTIL, MERGED_INTO_LABEL
+from taskiq_deduplication.observe import tracing
+from taskiq_deduplication.observe.events import EventSink, Subscriber
+from taskiq_deduplication.observe.metrics import Metrics, process_metrics
+from taskiq_deduplication.run.copies import watch_deliveries
+from taskiq_deduplication.run.execution import Executions, follow_runs
+from taskiq_deduplication.run.loops import LoopStates
+from taskiq_deduplication.run.runs import Runs
+from taskiq_deduplication.send.pending import PendingSends
+from taskiq_deduplication.send.sends import Sends
+from taskiq_deduplication.store.client import check_connection, client_from_url
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -44,7 +42,7 @@ if TYPE_CHECKING:
 
     RedisClient = Redis | RedisCluster
 
-__all__ = ["RedisDeduplicationMiddleware"]
+__all__ = ["RedisDeduplicationMiddleware"]  # and, for the library's own parts, `loop_states`
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +196,6 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         self._events = EventSink()
         self._metrics: Metrics | None = None
         self._states = LoopStates(self._new_client, self._events, lambda: self._metrics)
-        register_states(self, self._states)
         self._executions = Executions(f"taskiq_deduplication_execution_{id(self):x}")
         follow_runs(self, self._executions)
         pending = PendingSends()
@@ -302,24 +299,21 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         self._observe(broker)
         state = await self._states.current()
         for attempt in range(self.startup_retries):
-            try:
-                await state.client.ping()
-                await state.locks.load_scripts()
-            except REDIS_ERRORS as exc:  # noqa: PERF203 (one try per attempt is the point)
-                last_error = exc
-                if attempt + 1 < self.startup_retries:
-                    delay = self.startup_retry_delay * 2**attempt
-                    logger.warning(
-                        "Redis is not reachable for deduplication (attempt %d of %d: %s); "
-                        "retrying in %.1fs",
-                        attempt + 1,
-                        self.startup_retries,
-                        exc,
-                        delay,
-                    )
-                    await asyncio.sleep(delay)
-            else:
+            failed = await state.locks.check()
+            if failed is None:
                 return
+            last_error = failed.error
+            if attempt + 1 < self.startup_retries:
+                delay = self.startup_retry_delay * 2**attempt
+                logger.warning(
+                    "Redis is not reachable for deduplication (attempt %d of %d: %s); "
+                    "retrying in %.1fs",
+                    attempt + 1,
+                    self.startup_retries,
+                    last_error,
+                    delay,
+                )
+                await asyncio.sleep(delay)
         msg = (
             f"could not connect to Redis for deduplication after "
             f"{self.startup_retries} attempt(s): {last_error}"
@@ -433,6 +427,16 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             return self._client, False
         assert self._url is not None  # noqa: S101 (checked in __init__)
         return client_from_url(self._url), True
+
+
+def loop_states(middleware: RedisDeduplicationMiddleware) -> LoopStates:
+    """The Redis client, lock store and heartbeat of each event loop that uses ``middleware``.
+
+    The one internal handle to a middleware's per-loop state, for the parts
+    that take locks beside its hooks (the scheduler's tick locks, the locks
+    page's client) and for the tests. Not part of the public API.
+    """
+    return middleware._states  # noqa: SLF001 (this module's own attribute, handed out here only)
 
 
 def _watch_kick(broker: AsyncBroker, refused: Callable[[BrokerMessage, Exception], None]) -> None:

@@ -29,7 +29,7 @@ import redis
 from redis.asyncio.connection import AbstractConnection
 from taskiq import AsyncBroker, BrokerMessage
 
-from taskiq_deduplication import _redis_wire
+from taskiq_deduplication.store.wire import connection as _redis_wire
 
 Kick = Callable[[int], Awaitable[object]]
 """Send call number ``n`` (distinct numbers make distinct fingerprints)."""

@@ -54,6 +54,9 @@ from tests.benchmarks.harness import (
     rates_over,
 )
 
+#: The library's Lua scripts, as installed.
+_LUA = resources.files("taskiq_deduplication").joinpath("store").joinpath("lua")
+
 Results = dict[str, Any]
 
 #: TTL of the locks of the throughput runs: above the 10 s grace TTL, so every
@@ -175,7 +178,7 @@ async def _started(
 @contextlib.asynccontextmanager
 async def _limit(bench: Bench) -> AsyncIterator[Kick]:
     """The acquire script through a plain ``redis.asyncio`` client, one EVALSHA per call."""
-    source = resources.files("taskiq_deduplication").joinpath("lua/acquire.lua").read_text("utf-8")
+    source = (_LUA / "acquire.lua").read_text("utf-8")
     client = Redis.from_pool(BlockingConnectionPool.from_url(bench.url, max_connections=100))
     script = client.register_script(source)
     prefix = bench.prefix("L")
@@ -737,7 +740,7 @@ async def limit(bench: Bench) -> Results:
     """One EVALSHA through ``redis.asyncio``: sequential, 64 callers, pipelines of 100."""
     settings = bench.settings
     client = Redis.from_url(bench.url)
-    source = resources.files("taskiq_deduplication").joinpath("lua/acquire.lua").read_text("utf-8")
+    source = (_LUA / "acquire.lua").read_text("utf-8")
     script = client.register_script(source)
     prefix = bench.prefix("P")
     args: list[str | int] = [f"0123456789a/1796000000000/f {'0' * 32}!", 10_000, ""]
@@ -904,7 +907,7 @@ SCRIPT_PATHS: dict[str, dict[str, Any] | None] = {
 
 def _script_names() -> dict[str, str]:
     """Each of the library's scripts by the SHA1 Redis knows it by."""
-    folder = resources.files("taskiq_deduplication").joinpath("lua")
+    folder = _LUA
     return {
         hashlib.sha1(entry.read_bytes()).hexdigest(): entry.name.removesuffix(".lua")  # noqa: S324 (Redis' own digest)
         for entry in folder.iterdir()

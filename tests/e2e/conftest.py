@@ -34,7 +34,7 @@ import redis.asyncio
 from taskiq import AsyncBroker, AsyncTaskiqDecoratedTask
 
 from taskiq_deduplication import DuplicateTaskError
-from taskiq_deduplication._formats import holder_task_id
+from taskiq_deduplication.model.formats import holder_task_id
 from tests.e2e.app import BROKERS, CONFIG_ENV, Config, Tasks, build_broker
 
 REPO = Path(__file__).resolve().parents[2]

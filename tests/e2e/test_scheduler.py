@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from taskiq_deduplication._formats import holder_task_id
+from taskiq_deduplication.model.formats import holder_task_id
 from tests.e2e.app import FIXED_TASK_ID, SCHEDULED_RUN_SECONDS
 from tests.e2e.conftest import REPO, Launch
 from tests.test_docs_examples import _check_output

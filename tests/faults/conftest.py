@@ -17,8 +17,10 @@ from typing import Any
 import pytest
 from taskiq import TaskiqMiddleware
 
+from tests._middlewares import MiddlewareFactory
+from tests._recoveries import RECOVERY_PROPERTY
 from tests._server import Server
-from tests.conftest import RECOVERY_PROPERTY, MiddlewareFactory, owned
+from tests._teardown import owned
 from tests.faults._harness import LogRecords, RecordingBroker
 from tests.faults._proxy import Proxy
 

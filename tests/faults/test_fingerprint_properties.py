@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from taskiq_deduplication._fingerprint import call_fingerprint, fields_fingerprint
+from taskiq_deduplication.model.fingerprint import call_fingerprint, fields_fingerprint
 from tests.faults._values import Colour, Point, User
 
 pytestmark = pytest.mark.timeout(120)
@@ -95,7 +95,7 @@ def _shape(value: Any) -> Any:
 
 _OTHER_PROCESS = """
 import json, pickle, sys
-from taskiq_deduplication._fingerprint import call_fingerprint, fields_fingerprint
+from taskiq_deduplication.model.fingerprint import call_fingerprint, fields_fingerprint
 calls = pickle.load(sys.stdin.buffer)
 print(json.dumps([
     [call_fingerprint(name, args, kwargs), fields_fingerprint(name, kwargs)]

@@ -11,9 +11,9 @@ import re
 import pytest
 
 from taskiq_deduplication import DuplicateTaskError
-from taskiq_deduplication._fingerprint import call_fingerprint
+from taskiq_deduplication.model.fingerprint import call_fingerprint
+from tests._locks import without_done
 from tests._server import Server
-from tests.conftest import without_done
 from tests.faults._harness import RecordingBroker, admin
 from tests.faults.conftest import BrokerMaker
 

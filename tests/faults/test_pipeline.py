@@ -18,7 +18,9 @@ import redis.exceptions
 from taskiq import BrokerMessage, InMemoryBroker, TaskiqMessage, TaskiqMiddleware
 
 from taskiq_deduplication import RedisDeduplicationMiddleware
-from taskiq_deduplication._store import Lock, LockStore
+from taskiq_deduplication.middleware import loop_states
+from taskiq_deduplication.store.lock_store import Lock, LockStore
+from tests._locks import answered, ready
 from tests._server import Server, flushing_scripts
 from tests.faults._harness import LogRecords, admin, lock_keys, wait_until
 
@@ -42,7 +44,7 @@ class SinkBroker(InMemoryBroker):
 
 def backlog(middleware: RedisDeduplicationMiddleware) -> int:
     """How many lock calls wait to be sent to Redis."""
-    state = middleware._states.get()
+    state = loop_states(middleware).get()
     assert state is not None, "the middleware has not started in this event loop"
     return state.locks.backlog
 
@@ -254,7 +256,7 @@ async def test_a_release_that_overtook_a_failed_reassert_still_ends_the_lock(
 ) -> None:
     client = redis.asyncio.Redis.from_url(server.url)
     store = LockStore(client)
-    await store.load_scripts()
+    await ready(store)
     running = Lock("t:running", "tokL", "taskL", 60_000)  # a task that now ends
     sent = Lock("t:sent", "tokK", "taskK", 60_000)  # a task just sent
     other = Lock("t:other", "tokX", "taskX", 60_000)
@@ -325,7 +327,7 @@ async def client(server: Server) -> AsyncIterator[redis.asyncio.Redis]:
 async def store(client: redis.asyncio.Redis) -> AsyncIterator[LockStore]:
     """A lock store on ``client``, its scripts loaded."""
     locks = LockStore(client)
-    await locks.load_scripts()
+    await ready(locks)
     try:
         yield locks
     finally:
@@ -415,7 +417,7 @@ async def test_replies_lost_with_a_connection_closed_under_the_pipeline_go_to_no
 ) -> None:
     pipeline = store._pipeline
     a, b, c = (Lock(f"lost:{name}", f"tok{name}", f"task-{name}", 30_000) for name in "abc")
-    assert (await store.acquire(a, 30_000)).holder is None
+    assert answered(await store.acquire(a, 30_000)).holder is None
     # A caller's acquire queued behind a batch in flight (held busy here, so
     # that what follows does not depend on timing) ...
     pipeline._busy = True
@@ -431,8 +433,8 @@ async def test_replies_lost_with_a_connection_closed_under_the_pipeline_go_to_no
     pipeline._busy = True
     await client.connection_pool.disconnect()
     pipeline._busy = False
-    acquired_c = await asyncio.wait_for(store.acquire(c, 30_000), 10)
-    acquired_b = await asyncio.wait_for(acquiring_b, 10)
+    acquired_c = answered(await asyncio.wait_for(store.acquire(c, 30_000), 10))
+    acquired_b = answered(await asyncio.wait_for(acquiring_b, 10))
     # Each call gets its own reply: b's acquire was sent again, in order, before c's.
     assert acquired_b.holder is None
     assert acquired_c.holder is None

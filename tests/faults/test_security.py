@@ -49,7 +49,7 @@ PASSWORD = "pw-" + uuid.uuid4().hex
 DOCUMENTED = documented_acl("deploying.md")
 #: Every command the middleware sends, or its scripts run, as the page lists them.
 MINIMAL_COMMANDS = DOCUMENTED.commands
-_LUA = Path(taskiq_deduplication.__file__).parent / "lua"
+_LUA = Path(taskiq_deduplication.__file__).parent / "store" / "lua"
 
 
 def minimal_acl(key_prefix: str, commands: tuple[str, ...] = MINIMAL_COMMANDS) -> list[str]:

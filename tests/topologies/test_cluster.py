@@ -17,10 +17,11 @@ from tests._brokers import HoldingBroker
 from tests._cli import dedup, holding
 from tests._server import flushing_scripts
 from tests._tasks import all_running
-from tests.conftest import closed_after, cluster_client, start_or_skip
+from tests._teardown import closed_after
+from tests._topologies import cluster_client, start_or_skip
 from tests.topologies._servers import Cluster
 
-# In the one worker that runs the core tests on the Cluster too (tests/conftest.py).
+# In the one worker that runs the core tests on the Cluster too (tests/_topologies.py).
 pytestmark = pytest.mark.xdist_group("cluster")
 
 

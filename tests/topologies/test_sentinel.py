@@ -21,10 +21,11 @@ from redis.asyncio import Redis
 from taskiq_deduplication import DuplicateTaskError, RedisDeduplicationMiddleware
 from tests._brokers import HoldingBroker
 from tests._cli import dedup, holding
-from tests.conftest import owned, primary_client, start_or_skip
+from tests._teardown import owned
+from tests._topologies import primary_client, start_or_skip
 from tests.topologies._servers import Sentinels
 
-# In the one worker that runs the core tests on the Sentinel set too (tests/conftest.py).
+# In the one worker that runs the core tests on the Sentinel set too (tests/_topologies.py).
 pytestmark = pytest.mark.xdist_group("sentinel")
 
 logger = logging.getLogger(__name__)

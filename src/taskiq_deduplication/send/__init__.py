@@ -1,0 +1,6 @@
+"""A send of a locked task, from ``pre_send`` to ``post_send`` or the broker's refusal.
+
+`sends.py` plans a send, takes its lock and says what became of it (taken,
+refused, merged, joined, carried on by a retry, sent without a lock);
+`pending.py` remembers each send between its ``pre_send`` and ``post_send``.
+"""
