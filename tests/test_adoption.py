@@ -77,16 +77,36 @@ async def test_a_refused_duplicate_is_one_info_line_on_a_logger_of_its_own(
         logging.getLogger("taskiq_deduplication.refusals").setLevel(logging.NOTSET)
 
 
+#: The loggers that keep the short names the docs give them, not their modules'.
+DOCUMENTED_LOGGERS = {
+    "observe/refusals.py": "taskiq_deduplication.refusals",
+    "observe/events.py": "taskiq_deduplication.events",
+    "scheduler/schedulers.py": "taskiq_deduplication.scheduler",
+}
+
+
 def test_every_module_logs_on_a_logger_named_for_it() -> None:
-    """The issue: refusals and Redis warnings shared one logger, so silencing one silenced both."""
-    named = [
-        (path.name, line)
-        for path in sorted(Path(taskiq_deduplication.__path__[0]).glob("*.py"))
+    """The issue: refusals and Redis warnings shared one logger, so silencing one silenced both.
+
+    Each module of every folder logs on its own logger: named for the module, or,
+    for the three the docs name, by that name.
+    """
+    package = Path(taskiq_deduplication.__path__[0])
+    named = {
+        str(path.relative_to(package)): line
+        for path in sorted(package.rglob("*.py"))
         for line in path.read_text("utf-8").splitlines()
         if line.startswith("logger = logging.getLogger(")
-    ]
-    assert named, "no module logs?"
-    assert [n for n in named if n[1] != "logger = logging.getLogger(__name__)"] == []
+    }
+    assert len(named) > 10, named
+    expected = {
+        module: f'logger = logging.getLogger("{DOCUMENTED_LOGGERS[module]}")'
+        if module in DOCUMENTED_LOGGERS
+        else "logger = logging.getLogger(__name__)"
+        for module in named
+    }
+    assert named == expected
+    assert len(set(named.values())) == len(DOCUMENTED_LOGGERS) + 1
 
 
 @pytest.mark.parametrize("record", [None, False])

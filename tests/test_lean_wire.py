@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio
-from redis._parsers import UNRECOVERABLE_PARSE_ERRORS, _AsyncRESP3Parser
+from redis._parsers import _AsyncRESP3Parser
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.asyncio.sentinel import SentinelManagedConnection
 from redis.exceptions import BusyLoadingError, InvalidResponse
@@ -24,7 +24,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from taskiq_deduplication.store.wire.connection import _Connection, _pack, _reads_replies_itself
 from taskiq_deduplication.store.wire.probe import WIRE_ENV
 from taskiq_deduplication.store.wire.resp import MAX_DEPTH, parse_replies
-from tests.test_reply_parser import PUSH, RESP3_REPLIES, same
+from tests.test_reply_parser import PUSH, RESP3_REPLIES, UNRECOVERABLE, same
 
 
 @pytest.mark.parametrize("encoding", ["utf-8", "latin-1"])
@@ -152,7 +152,7 @@ async def test_a_reply_from_redis_nested_too_deep_fails_its_batch_and_drops_the_
     with pytest.raises(InvalidResponse, match=f"more than {MAX_DEPTH} levels") as failed:
         await lean_connection.execute([("EVAL", _NESTED, 0, MAX_DEPTH + 1), ("PING",)])
     # What redis-py's own connection drops itself for, after such bytes.
-    assert isinstance(failed.value, UNRECOVERABLE_PARSE_ERRORS)
+    assert isinstance(failed.value, UNRECOVERABLE)
     # The reply after it was never read: the connection is dropped, not reused.
     assert lean_connection._held is None
     assert not held.is_connected

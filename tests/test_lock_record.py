@@ -1,6 +1,6 @@
 """A lock tells what it is for: when it was taken, its policy, its task, whether its send went out.
 
-The record lives in the lock's value (see `_formats.py`): the acquire script
+The record lives in the lock's value (see `model/formats.py`): the acquire script
 writes it, in the round trip that takes the lock; the send's ``post_send``
 marks it accepted. A lock of an older version (``"<owner token> <task_id>"``)
 keeps working with every script, and a worker of the older version, running

@@ -337,3 +337,43 @@ async def test_a_fail_open_retry_run_in_memory_leaves_the_first_run_to_itself(
     finally:
         await broker.shutdown()
         await admin.aclose()
+
+
+@pytest.mark.parametrize("fail_open", [True, False])
+async def test_a_reply_that_is_not_text_is_a_redis_failure_like_any_other(
+    server: Server, caplog: pytest.LogCaptureFixture, *, fail_open: bool
+) -> None:
+    """A value under the lock's key that is not UTF-8 (another writer's), on a client that decodes.
+
+    redis-py cannot decode the script's reply: the lock store's boundary makes
+    that a Redis failure like an unreachable server, so ``fail_open`` sends the
+    call without its lock, and without it the send fails with the error (found
+    in review: it escaped the boundary, past ``fail_open``).
+    """
+    client = redis.asyncio.Redis.from_url(server.url, decode_responses=True)
+    broker = HoldingBroker().with_middlewares(
+        middleware := RedisDeduplicationMiddleware(client=client, fail_open=fail_open)
+    )
+    await broker.startup()
+
+    @broker.task(deduplication_key="report")
+    async def job() -> None: ...
+
+    key = middleware.locks.key_for(job)
+    assert key is not None
+    raw = redis.asyncio.Redis.from_url(server.url)
+    await raw.set(key, b"\xff\xfe not text", px=60_000)
+    caplog.set_level(logging.WARNING, logger="taskiq_deduplication")
+    try:
+        if fail_open:
+            await job.kiq()
+            assert "sending it without a lock (fail_open)" in caplog.text
+            assert "UnicodeDecodeError" in caplog.text
+        else:
+            with pytest.raises(UnicodeDecodeError):
+                await job.kiq()
+        assert await raw.get(key) == b"\xff\xfe not text"  # another writer's value, untouched
+    finally:
+        await broker.shutdown()
+        await raw.aclose()
+        await client.aclose()

@@ -14,14 +14,24 @@ from collections.abc import Awaitable
 from typing import Any, Final
 
 import pytest
+import redis._parsers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from redis._parsers import UNRECOVERABLE_PARSE_ERRORS, _AsyncRESP2Parser, _AsyncRESP3Parser
+from redis._parsers import _AsyncRESP2Parser, _AsyncRESP3Parser
 from redis._parsers.encoders import Encoder
 from redis.exceptions import BusyLoadingError, InvalidResponse, NoScriptError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from taskiq_deduplication.store.wire.resp import MAX_DEPTH, parse_replies
+
+#: The parse errors after which redis-py drops the connection, as the installed
+#: redis-py names them (older releases, such as the floor's, do not: the same three).
+NAMES_ITS_ERRORS: Final = hasattr(redis._parsers, "UNRECOVERABLE_PARSE_ERRORS")
+UNRECOVERABLE: tuple[type[Exception], ...] = getattr(
+    redis._parsers,
+    "UNRECOVERABLE_PARSE_ERRORS",
+    (InvalidResponse, UnicodeDecodeError, RecursionError),
+)
 
 
 def bulk(data: bytes) -> bytes:
@@ -301,7 +311,12 @@ async def test_random_replies_in_random_reads_are_read_as_redis_pys_parser_reads
         return _our_reading(chunks, count, decode=decode)
 
     theirs = _redis_pys_reading(protocol, chunks, count, decode=decode)
-    assert await _outcome(ours()) == await _outcome(theirs)
+    ours_, theirs_ = await _outcome(ours()), await _outcome(theirs)
+    if not NAMES_ITS_ERRORS and ours_[0] == theirs_[0] == "raised":
+        # An older redis-py (the floors') raises other errors for a malformed
+        # frame (a ValueError for a bad number): that both refuse it is the point.
+        return
+    assert ours_ == theirs_
 
 
 async def _outcome(reading: Awaitable[list[Any]]) -> tuple[object, ...]:
@@ -396,6 +411,6 @@ async def test_a_reply_nested_far_too_deep_fails_in_both_parsers_and_drops_the_c
     reply = _nested(100_000)
     with pytest.raises(InvalidResponse) as ours:
         _our_reading([reply], 1, decode=False)
-    with pytest.raises(UNRECOVERABLE_PARSE_ERRORS):
+    with pytest.raises(UNRECOVERABLE):
         await _redis_pys_reading(protocol, [reply], 1, decode=False)
-    assert isinstance(ours.value, UNRECOVERABLE_PARSE_ERRORS)
+    assert isinstance(ours.value, UNRECOVERABLE)

@@ -1,7 +1,7 @@
 """Canaries: the taskiq behaviours this library relies on, each pinned by itself.
 
 None of these tests uses the middleware or Redis. Each one checks one fact of
-taskiq that ``_send.py``, ``_run.py`` or ``_settings.py`` is built on (see docs/design.md,
+taskiq that ``send/``, ``run/`` or ``model/settings.py`` is built on (see docs/design.md,
 "taskiq facts the locks depend on"), and its failure message says what changed upstream
 and which part of this library depends on it. When one fails after a taskiq
 upgrade, fix the library (or the declared taskiq range) before anything else.
@@ -150,7 +150,7 @@ async def test_labels_are_strings_by_the_time_pre_send_sees_them() -> None:
     labels = recorder.sent[0].labels
     assert (labels["flag"], labels["ttl"], labels["fields"]) == ("False", "30", "['user_id']"), (
         "taskiq no longer turns label values into str (bool -> 'False', int -> '30', list "
-        f"-> its repr) before pre_send: got {labels!r}. _settings.py reads the deduplication "
+        f"-> its repr) before pre_send: got {labels!r}. model/settings.py reads the deduplication "
         "labels in exactly these string forms (and the Python ones); check that "
         "deduplication=False still disables deduplication."
     )

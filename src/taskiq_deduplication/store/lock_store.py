@@ -45,6 +45,12 @@ if TYPE_CHECKING:
     RedisClient = Redis | RedisCluster
 
 
+#: What a lock call can fail with when Redis does not answer it as a script
+#: would: redis-py's errors, the socket's and the deadline's, and a reply that
+#: is not UTF-8 on a client that decodes (a foreign value under the prefix),
+#: which both ways through redis-py raise as ``UnicodeDecodeError``.
+_UNANSWERED: Final = (*REDIS_ERRORS, UnicodeDecodeError)
+
 # Most locks in one re-assert call.
 _MAX_KEYS_PER_REASSERT: Final = 500
 # How long a lock call may wait for its reply when the client sets no socket timeout.
@@ -77,6 +83,11 @@ class RedisFailed:
 
     error: Exception
     """What redis-py raised (a connection or response error, a timeout)."""
+
+    def __bool__(self) -> NoReturn:
+        """Refuse to be read as a yes or a no: a failure is neither (``is True`` is)."""
+        msg = f"a lock call Redis did not answer is neither true nor false: {self.error!r}"
+        raise TypeError(msg)
 
     def raise_error(self) -> NoReturn:
         """Raise the error, for a caller whose own caller gets it (``kiq`` without fail-open)."""
@@ -240,7 +251,7 @@ class LockStore:
         try:
             await self._client.ping()
             await self._pipeline.load_scripts()
-        except REDIS_ERRORS as exc:
+        except _UNANSWERED as exc:
             return RedisFailed(exc)
         return None
 
@@ -313,7 +324,7 @@ class LockStore:
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return RedisFailed(exc)
-        except REDIS_ERRORS as exc:
+        except _UNANSWERED as exc:
             return RedisFailed(exc)
         if status == _Acquire.TAKEN:
             return Acquired(None, token=token, fence=int(value) or None)
@@ -387,7 +398,7 @@ class LockStore:
             script = self._claim_with
         try:
             reply = await self._pipeline.call(script, keys, args, linger=linger)
-        except REDIS_ERRORS as exc:
+        except _UNANSWERED as exc:
             return RedisFailed(exc)
         if reply == Reasserted.REFRESHED:  # the run begins, its lock refreshed (most runs)
             return _BEGUN
@@ -547,7 +558,7 @@ class LockStore:
                 replies = [await self._pipeline.call(*calls[0], linger=linger)]
             else:
                 replies = await self._pipeline.call_many(calls)
-        except REDIS_ERRORS as exc:
+        except _UNANSWERED as exc:
             return RedisFailed(exc)
         outcomes: list[Reasserted | str] = [Reasserted.REFRESHED] * len(locks)
         flat = (reply for chunk_replies in replies for reply in chunk_replies)
@@ -561,7 +572,7 @@ class LockStore:
         """The yes or no of a script that answers 1 or 0, or why Redis gave none."""
         try:
             return bool(await self._pipeline.call(script, keys, args, linger=linger))
-        except REDIS_ERRORS as exc:
+        except _UNANSWERED as exc:
             return RedisFailed(exc)
 
     @property
@@ -597,9 +608,14 @@ def _claimed(reply: Any) -> Claimed:  # noqa: ANN401 (a script's reply)
     )
 
 
+#: The re-assert outcomes by their number: a look-up, not an enum call, per lock
+#: of a heartbeat's tick.
+_REASSERTED: Final = {outcome.value: outcome for outcome in Reasserted}
+
+
 def _reasserted(reply: Any) -> Reasserted | str:  # noqa: ANN401 (a script's reply)
     """A re-assert's outcome for one lock: 1, 2, or the value another send holds it with."""
-    return Reasserted(reply) if isinstance(reply, int) else text(reply)
+    return _REASSERTED[reply] if isinstance(reply, int) else text(reply)
 
 
 def _finish_call(

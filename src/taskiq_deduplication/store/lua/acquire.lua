@@ -9,7 +9,7 @@
 --          run that holds it, marked " +" or "!" or not), or "" for an ordinary send
 --
 -- The caller builds the whole value (the token's record, the sender's time in
--- it included: see _formats.py), so the script reads one key and writes it.
+-- it included: see model/formats.py), so the script reads one key and writes it.
 -- Returns 1 when the lock is now this send's, otherwise the value of the lock
 -- that another send holds. Running it twice for the same send (a batch resent
 -- after a dropped connection) takes the lock both times.

@@ -131,7 +131,7 @@ class _Connection:
     it gives it back, once.
 
     The connection is written to and read from the lean way or the public way,
-    as the probe (``_wire_probe.lean_fits``) says for each connection taken.
+    as the probe (``probe.lean_fits``) says for each connection taken.
     """
 
     writes_ahead = True

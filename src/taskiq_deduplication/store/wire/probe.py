@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from redis.asyncio.connection import AbstractConnection
 
 try:  # the timeout redis-py reads under, on every Python
-    from redis.asyncio.connection import async_timeout as async_timeout  # type: ignore[attr-defined]  # noqa: PLC0414 (re-exported for _redis_wire)
+    from redis.asyncio.connection import async_timeout as async_timeout  # type: ignore[attr-defined]  # noqa: PLC0414 (what the lean way reads under, in connection.py)
 except ImportError:  # a redis-py that reads otherwise: the probe picks the public way
     async_timeout = None
 
