@@ -14,7 +14,7 @@ import asyncio
 import base64
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from redis.asyncio.cluster import RedisCluster
 from taskiq.exceptions import NoResultError
@@ -45,7 +45,6 @@ if TYPE_CHECKING:
     from taskiq_deduplication.model.settings import Options
     from taskiq_deduplication.observe.events import EventSink
     from taskiq_deduplication.run.loops import LoopState, LoopStates
-    from taskiq_deduplication.send.pending import PendingSends
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +67,20 @@ _MAX_POLL: Final = 5.0
 _WAITED_MARGIN_MS: Final = 1000
 
 
+class SendsInFlight(Protocol):
+    """What a run tells the sends of this process still between ``pre_send`` and ``post_send``.
+
+    An in-process broker runs a task inside its ``kiq()``: the run may end the
+    lock before its send's ``post_send`` extends it (`send/pending.py` keeps them).
+    """
+
+    def end(self, lock: Lock) -> bool:
+        """Note that a run ends ``lock``; whether a send of it is still in flight."""
+
+    def end_failed(self, lock: Lock) -> None:
+        """The end of ``lock`` failed: its send's ``post_send`` extends it after all."""
+
+
 class Runs:
     """The runs of one middleware's locked tasks: their starts and their ends."""
 
@@ -77,7 +90,7 @@ class Runs:
         states: LoopStates,
         events: EventSink,
         executions: Executions,
-        pending: PendingSends,
+        pending: SendsInFlight,
     ) -> None:
         """Follow runs with the middleware's options, loop states, events and sends."""
         self._options = options
