@@ -466,10 +466,15 @@ class Runs:
             )
 
     async def hand_over(self, running: Execution, to: Lock, message: TaskiqMessage) -> None:
-        """Hand a run slot beside the lock to the retry that carries the run on.
+        """Hand the run to the retry that carries it on with the lock ``to``.
 
-        (A ``"finished"`` lock is its own run slot: the retry's send took it over.)
+        The run's heartbeat stops (the retry's run keeps the lock alive), its
+        end leaves the lock to the retry, and a run slot beside the lock goes
+        to the retry too. (A ``"finished"`` lock is its own run slot: the
+        retry's send took it over.)
         """
+        running.resent = Resent.WITH_THE_LOCK
+        running.stop_heartbeat()
         run = running.run
         if run is None or run.key == running.lock.key:
             return

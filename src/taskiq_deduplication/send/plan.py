@@ -24,9 +24,13 @@ if TYPE_CHECKING:
     from taskiq_deduplication.run.execution import Execution
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SendPlan:
-    """One send of a locked task, as ``pre_send`` plans it."""
+    """One send of a locked task, as ``pre_send`` plans it.
+
+    Not frozen: one is built on every send, and a frozen dataclass pays a
+    call per field to build. Nothing changes it once planned.
+    """
 
     message: TaskiqMessage
     options: SendOptions

@@ -120,8 +120,6 @@ class Sends:
                 plan.key,
             )
         if running is not None:
-            running.resent = Resent.WITH_THE_LOCK
-            running.stop_heartbeat()
             await self._runs.hand_over(running, lock, message)
         self._record(plan, lock.token, acquired.fence)
         if self._events.active:  # inline: the one point every accepted send passes
@@ -279,10 +277,7 @@ class Sends:
         if plan.merge_key is not None:
             await self._reopen_merge(message, earlier, plan.merge_key)
         if running is not None:
-            running.resent = Resent.WITH_THE_LOCK
-            running.stop_heartbeat()
             await self._runs.hand_over(running, earlier, message)
-        if running is not None:
             fence = running.fence
         else:
             fence = plan.attempt.fence if plan.attempt is not None else None
