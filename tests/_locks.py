@@ -11,7 +11,8 @@ from typing import TypeVar
 
 import redis.asyncio
 
-from taskiq_deduplication.store.lock_store import LockStore, RedisFailed
+from taskiq_deduplication.store.call import RedisFailed
+from taskiq_deduplication.store.lock_store import LockStore
 
 _Key = TypeVar("_Key", bound=str | bytes)
 _Outcome = TypeVar("_Outcome")

@@ -254,6 +254,8 @@ def test_every_kind_is_its_own_string() -> None:
         "lost",
         "waiting",
         "skipped",
+        "limited",
+        "waited",
     ]
     assert str.__eq__(LockEventKind.TAKEN_BACK, "taken_back")
 

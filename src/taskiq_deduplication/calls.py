@@ -18,7 +18,7 @@ from taskiq.kicker import AsyncKicker
 
 from taskiq_deduplication.exceptions import DuplicateTaskError, NoLockError
 from taskiq_deduplication.run.execution import run_of
-from taskiq_deduplication.store.lock_store import RedisFailed
+from taskiq_deduplication.store.call import RedisFailed
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine

@@ -20,11 +20,13 @@ from taskiq_deduplication.exceptions import InvalidSettingError, StartupError
 from taskiq_deduplication.locks import Locks
 from taskiq_deduplication.model import settings
 from taskiq_deduplication.model.formats import DEFAULT_PREFIX, DEFAULT_UNTIL, MERGED_INTO_LABEL
+from taskiq_deduplication.model.limits import read_limit
 from taskiq_deduplication.observe import tracing
 from taskiq_deduplication.observe.events import EventSink, Subscriber
 from taskiq_deduplication.observe.metrics import Metrics, process_metrics
 from taskiq_deduplication.run.copies import watch_deliveries
 from taskiq_deduplication.run.execution import Executions, follow_runs
+from taskiq_deduplication.run.limits import DEFAULT_WAITING, Limits
 from taskiq_deduplication.run.loops import LoopStates
 from taskiq_deduplication.run.runs import Runs
 from taskiq_deduplication.send.pending import PendingSends
@@ -85,6 +87,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         default_exclusive: bool = True,
         record_task_name: bool = True,
         redelivery_window: int = settings.DEFAULT_REDELIVERY_WINDOW,
+        limit_waiting: int = DEFAULT_WAITING,
     ) -> None:
         """Configure the middleware; nothing connects until the broker starts.
 
@@ -149,6 +152,12 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
                 it (that is ``deduplication_success_ttl``). It costs one small
                 key per successful run of an exclusive task, for the window
                 (see [Performance](performance.md)); 0 remembers nothing.
+            limit_waiting: How many runs of one limit (``limit_concurrency``,
+                ``limit_rate``) may wait for it in one worker process at once.
+                A run that would wait beyond them goes back to the broker (its
+                message sent again, not a retry), so that a limit with a long
+                backlog never takes the worker's slots from its other tasks
+                (see [Limits](limits.md)).
 
         Raises:
             ValueError: An option is missing, of the wrong type or out of range.
@@ -182,6 +191,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         self.default_success_ttl = settings.check_success_ttl(default_success_ttl)
         self.default_exclusive = settings.check_bool("default_exclusive", default_exclusive)
         self.record_task_name = settings.check_bool("record_task_name", record_task_name)
+        self.limit_waiting = settings.check_int("limit_waiting", limit_waiting, minimum=1)
         self._defaults = settings.Defaults(
             enabled=self.default_deduplication,
             ttl=self.default_ttl,
@@ -199,7 +209,8 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         self._executions = Executions(f"taskiq_deduplication_execution_{id(self):x}")
         follow_runs(self, self._executions)
         pending = PendingSends()
-        self._runs = Runs(self, self._states, self._events, self._executions, pending)
+        self._limits = Limits(self.key_prefix, self.running_lease, self.limit_waiting, self._events)
+        self._runs = Runs(self, self._states, self._events, self._executions, pending, self._limits)
         self._sends = Sends(
             self,
             defaults=self._defaults,
@@ -400,7 +411,9 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         if broker is not None:
             tasks = broker.get_all_tasks()
             settings.check_task_labels(
-                ((name, task.labels) for name, task in tasks.items()), self._defaults
+                ((name, task.labels) for name, task in tasks.items()),
+                self._defaults,
+                (read_limit,),
             )
         self._tasks_checked = True
 

@@ -22,7 +22,7 @@ from taskiq_deduplication.exceptions import InvalidSettingError
 from taskiq_deduplication.model.policies import FINISHED, POLICIES, Policy
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping
+    from collections.abc import Callable, Iterable, Mapping
 
     from taskiq.abc.broker import AsyncBroker
 
@@ -195,12 +195,18 @@ def _read_merge(labels: Mapping[str, Any]) -> tuple[int, int] | None:
     return quiet_ms, longest_ms
 
 
-def check_task_labels(tasks: Iterable[tuple[str, Mapping[str, Any]]], defaults: Defaults) -> None:
+def check_task_labels(
+    tasks: Iterable[tuple[str, Mapping[str, Any]]],
+    defaults: Defaults,
+    checks: Iterable[Callable[[Mapping[str, Any]], object]] = (),
+) -> None:
     """Check the labels of registered tasks as their sends will, all at once.
 
     Args:
         tasks: Each task's name and the labels it was declared with.
         defaults: The middleware's options.
+        checks: More checks of a task's labels, each raising ``ValueError``
+            (the limits' labels).
 
     Raises:
         ValueError: One or more tasks have a bad or unknown deduplication
@@ -215,6 +221,11 @@ def check_task_labels(tasks: Iterable[tuple[str, Mapping[str, Any]]], defaults: 
             )
         except ValueError as exc:
             found.append(str(exc))
+        for check in checks:
+            try:
+                check(task_labels)
+            except ValueError as exc:  # noqa: PERF203 (each check's problem, said)
+                found.append(str(exc))
         problems += (f"  {name}: {problem}" for problem in found)
     if problems:
         count = len(problems)
@@ -486,6 +497,17 @@ def _parse_key(value: object) -> str:
         raise ValueError(msg)
     check_text(value)
     return value
+
+
+def parse_key(value: object) -> str:
+    """A key as the ``deduplication_key`` label takes it (also a limit's); ``ValueError`` if not."""
+    return _parse_key(value)
+
+
+def parse_key_fields(value: object) -> tuple[str, ...]:
+    """Key fields as ``deduplication_key_fields`` takes them (a limit's too), or ``ValueError``."""
+    fields: tuple[str, ...] = _uncached_if_unhashable(_parse_key_fields, value)(value)
+    return fields
 
 
 def check_text(value: str) -> None:

@@ -82,6 +82,13 @@ class LockEventKind(str, enum.Enum):
     """The run ended without running its body: the broker delivered a copy of a
     message whose run succeeded (``holder_task_id`` is the task's own id), or of
     an attempt that a retry carries on."""
+    LIMITED = "limited"
+    """The run is over its limit (``limit_concurrency``, ``limit_rate``): it waits
+    for a slot, or, with ``requeued``, went back to the broker because this
+    worker lends the limit no more slots to wait in. ``key`` is the limit's
+    key. Told once per run that waits."""
+    WAITED = "waited"
+    """The run that waited for its limit starts: ``waited`` is how long, in seconds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +115,10 @@ class LockEvent:
             yet, or never if its process died mid-send, as
             ``DuplicateTaskError.holder_sent``); ``None`` when its lock does
             not say (an older version's), and after the rest.
+        waited: After `LockEventKind.WAITED`: seconds the run waited for its
+            limit; ``None`` after the rest.
+        requeued: After `LockEventKind.LIMITED`: whether the run went back to
+            the broker instead of waiting; ``None`` after the rest.
     """
 
     kind: LockEventKind
@@ -117,6 +128,8 @@ class LockEvent:
     holder_task_id: str | None
     error: BaseException | None = None
     holder_sent: bool | None = None
+    waited: float | None = None
+    requeued: bool | None = None
 
 
 Subscriber: TypeAlias = Callable[[LockEvent], object]
@@ -187,11 +200,15 @@ class EventSink:
         error: BaseException | None = None,
         message: TaskiqMessage | None = None,
         holder_sent: bool | None = None,
+        waited: float | None = None,
+        requeued: bool | None = None,
     ) -> None:
         """Tell every subscriber that ``kind`` happened; ``message`` is a send's."""
         if not self.active:
             return
-        event = LockEvent(kind, task_name, task_id, key, holder_task_id, error, holder_sent)
+        event = LockEvent(
+            kind, task_name, task_id, key, holder_task_id, error, holder_sent, waited, requeued
+        )
         if message is not None and self._send_span is not None:
             _call(self._send_span, message, event)
         for subscriber in self._subscribers:

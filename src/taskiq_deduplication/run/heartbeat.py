@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 from taskiq_deduplication.model.formats import holder_task_id
 from taskiq_deduplication.observe.events import EventSink, LockEventKind
-from taskiq_deduplication.store.lock_store import Lock, LockStore, Reasserted, RedisFailed
+from taskiq_deduplication.store.call import RedisFailed
+from taskiq_deduplication.store.lock_store import Lock, LockStore, Reasserted
 
 if TYPE_CHECKING:
     from collections.abc import Callable

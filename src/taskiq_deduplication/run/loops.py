@@ -25,7 +25,7 @@ from taskiq_deduplication.run.heartbeat import Heartbeat
 from taskiq_deduplication.store.lock_store import LockStore
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncGenerator, Callable
+    from collections.abc import AsyncGenerator, Awaitable, Callable
 
     from redis.asyncio import Redis
     from redis.asyncio.cluster import RedisCluster
@@ -50,6 +50,8 @@ class LoopState:
     heartbeat: Heartbeat
     closer: AsyncGenerator[None, None] | None = field(default=None, repr=False)
     """Parked at its ``yield`` until the state closes; its ``finally`` closes it."""
+    on_close: list[Callable[[], Awaitable[None]]] = field(default_factory=list, repr=False)
+    """What else the state's loop keeps (the limits' wake-ups), closed first."""
 
     async def close(self) -> None:
         """Stop the heartbeat, send what is queued, close what the middleware opened."""
@@ -123,6 +125,8 @@ class LoopStates:
             if self._states.get(state.loop) is state:
                 del self._states[state.loop]
             try:
+                for close in state.on_close:
+                    await close()
                 await state.heartbeat.stop()
                 await state.locks.close()
             finally:

@@ -37,13 +37,15 @@ from taskiq_deduplication.run import log as say
 from taskiq_deduplication.run.copies import answer_of_copy, leave_out_body
 from taskiq_deduplication.run.execution import Execution, Executions, Resent
 from taskiq_deduplication.run.heartbeat import Beat
-from taskiq_deduplication.store.lock_store import Claimed, Done, Lock, Reasserted, RedisFailed
+from taskiq_deduplication.store.call import RedisFailed
+from taskiq_deduplication.store.lock_store import Claimed, Done, Lock, Reasserted
 
 if TYPE_CHECKING:
     from taskiq import TaskiqMessage, TaskiqResult
 
     from taskiq_deduplication.model.settings import Options
     from taskiq_deduplication.observe.events import EventSink
+    from taskiq_deduplication.run.limits import LimitedRun, Limits
     from taskiq_deduplication.run.loops import LoopState, LoopStates
 
 logger = logging.getLogger(__name__)
@@ -84,16 +86,18 @@ class SendsInFlight(Protocol):
 class Runs:
     """The runs of one middleware's locked tasks: their starts and their ends."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913, PLR0917 (the middleware's parts, each its own)
         self,
         options: Options,
         states: LoopStates,
         events: EventSink,
         executions: Executions,
         pending: SendsInFlight,
+        limits: Limits,
     ) -> None:
-        """Follow runs with the middleware's options, loop states, events and sends."""
+        """Follow runs with the middleware's options, loop states, events, sends and limits."""
         self._options = options
+        self._limits = limits
         self._states = states
         self._events = events
         self._executions = executions
@@ -102,15 +106,67 @@ class Runs:
         self._not_exclusive: set[str] = set()
 
     async def pre_execute(self, message: TaskiqMessage) -> TaskiqMessage:
-        """Begin the run of a locked task (the ``pre_execute`` hook)."""
+        """Begin the run of a locked or limited task (the ``pre_execute`` hook)."""
         recorded = read_lock_labels(message.labels, message.task_id)
-        if recorded is None:
+        rule = self._limits.rule_of(message)
+        if recorded is None and rule is None:
             return message
+        state = self._states.get() or await self._states.current()
+        limited = None if rule is None else self._limits.begin(rule, message, state)
+        if recorded is None or (limited is not None and limited.requeued):
+            # Nothing of a lock to begin, or the run goes back to the broker
+            # before it touches its lock.
+            if limited is not None:
+                await self._limits.enter(limited, message, self._options.broker)
+            return message
+        execution = self._execution(message, recorded, state)
+        execution.limited = limited
+        self._executions.begin(execution)
+        if limited is not None and not await self._limit_first(execution, limited, message):
+            return message
+        await self._start(execution, recorded, message)
+        if execution.skipped:
+            if limited is not None:
+                self._limits.abandon(limited)
+            leave_out_body(message, answer_of_copy(execution, message, self._options.broker))
+            return message
+        policy = execution.policy
+        if self._options.heartbeat and (
+            execution.run is not None or (policy.heartbeat and execution.owned)
+        ):
+            lease = execution.run or execution.lease
+            execution.beat = Beat(lease, message.task_name, self._interval(execution, lease))
+            state.heartbeat.add(execution.beat)
+        if limited is not None and not limited.entered:
+            # The heartbeat keeps the lock while the run waits for its limit.
+            await self._limits.enter(limited, message, self._options.broker)
+            if limited.requeued:
+                execution.stop_heartbeat()
+        return message
+
+    async def _limit_first(
+        self, execution: Execution, limited: LimitedRun, message: TaskiqMessage
+    ) -> bool:
+        """Take the run's slot before its claim, or with it; whether the run goes on.
+
+        Under ``"started"`` a run that waits for its limit is still queued: it
+        keeps its lock until it holds its slot, so it takes the slot first.
+        Otherwise the take rides in the claim's round trip.
+        """
+        if execution.policy.at_start is Step.RELEASE:
+            await self._limits.enter(limited, message, self._options.broker)
+            return not limited.requeued
+        self._limits.take_soon(limited)
+        return True
+
+    def _execution(
+        self, message: TaskiqMessage, recorded: RecordedLock, state: LoopState
+    ) -> Execution:
+        """The run of ``message`` with the lock its labels record, as it begins."""
         # A policy this version does not know (a newer sender) holds the lock
         # the longest way: until the task finishes.
         policy = POLICIES.get(recorded.until, FINISHED)
         lock = Lock(recorded.key, recorded.token, message.task_id, recorded.ttl * 1000)
-        state = self._states.get() or await self._states.current()
         execution = Execution(
             lock,
             self._lease(message, lock) if policy.heartbeat else lock,
@@ -123,26 +179,21 @@ class Runs:
         execution.fence = recorded.fence
         # Sent without a lock: it owns none, unless its run takes it as its run slot.
         execution.owned = recorded.token != NO_OWNER
-        self._executions.begin(execution)
-        run = self._run_slot(execution, recorded, state) if recorded.exclusive else None
+        return execution
+
+    async def _start(
+        self, execution: Execution, recorded: RecordedLock, message: TaskiqMessage
+    ) -> None:
+        """Do the policy's step at the start: a claim, a re-assert, or the step alone."""
+        run = self._run_slot(execution, recorded, execution.state) if recorded.exclusive else None
         if run is not None:
-            execution.done = self._done(execution, recorded, state)
+            execution.done = self._done(execution, recorded, execution.state)
         if run is not None or recorded.merge is not None or recorded.fence is not None:
             await self._claim(execution, recorded, message, run)
-        elif policy.at_start is Step.REASSERT:
+        elif execution.policy.at_start is Step.REASSERT:
             await self._reassert(execution, message)
         else:
-            await self._apply(policy.at_start, execution, message)
-        if execution.skipped:
-            leave_out_body(message, answer_of_copy(execution, message, self._options.broker))
-            return message
-        if self._options.heartbeat and (
-            execution.run is not None or (policy.heartbeat and execution.owned)
-        ):
-            lease = execution.run or execution.lease
-            execution.beat = Beat(lease, message.task_name, self._interval(execution, lease))
-            state.heartbeat.add(execution.beat)
-        return message
+            await self._apply(execution.policy.at_start, execution, message)
 
     def on_error(self, message: TaskiqMessage) -> None:
         """Stop the heartbeat: the task itself is over. The lock goes in ``post_execute``."""
@@ -152,6 +203,7 @@ class Runs:
 
     async def post_execute(self, message: TaskiqMessage, result: TaskiqResult[Any]) -> None:
         """End the run of a locked task (the ``post_execute`` hook)."""
+        self._limits.end(message, result)
         execution = self._executions.current(message.task_id)
         if execution is None:
             return
@@ -287,6 +339,8 @@ class Runs:
                 return
             if not claimed.wait_ms:
                 break
+            # A run that waits (a copy for its run, a debounce) holds no slot.
+            self._limits.put_back(execution.limited)
             if claimed.waiting_for is None:  # a debounce: the lock was kept for one lease
                 await asyncio.sleep(min(claimed.wait_ms, lease.ttl_ms // 3) / 1000)
                 continue

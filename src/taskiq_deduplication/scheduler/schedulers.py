@@ -36,7 +36,8 @@ from taskiq_deduplication.middleware import RedisDeduplicationMiddleware, loop_s
 from taskiq_deduplication.model.formats import holder_task_id, new_token
 from taskiq_deduplication.observe import refusals
 from taskiq_deduplication.scheduler.ticks import CronPaths, Tick, is_one_off, tick_of
-from taskiq_deduplication.store.lock_store import Lock, RedisFailed
+from taskiq_deduplication.store.call import RedisFailed
+from taskiq_deduplication.store.lock_store import Lock
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -39,13 +39,15 @@ from taskiq_deduplication.model.formats import (
     record_tail,
     write_lock_labels,
 )
+from taskiq_deduplication.model.limits import LIMIT_LABEL_START, read_limit
 from taskiq_deduplication.model.policies import RetrySend
 from taskiq_deduplication.observe import refusals
 from taskiq_deduplication.observe.events import LockEventKind
 from taskiq_deduplication.run.execution import Executions, Resent
 from taskiq_deduplication.send.pending import PendingSend
 from taskiq_deduplication.send.plan import SendPlan, plan_send
-from taskiq_deduplication.store.lock_store import Acquired, Lock, RedisFailed
+from taskiq_deduplication.store.call import RedisFailed
+from taskiq_deduplication.store.lock_store import Acquired, Lock
 
 if TYPE_CHECKING:
     from taskiq import BrokerMessage
@@ -89,6 +91,8 @@ class Sends:
 
     async def pre_send(self, message: TaskiqMessage) -> TaskiqMessage:
         """Take the task's lock before the message goes to the broker (see the hook)."""
+        if any(label.startswith(LIMIT_LABEL_START) for label in message.labels):
+            read_limit(message.labels)  # a bad limit fails the kiq, as a bad lock label does
         send = settings.read_send_options(message.labels, self._defaults)
         if send is None:
             drop_lock_labels(message.labels)

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, NoReturn
 
-from taskiq_deduplication.exceptions import BacklogFullError, CallTimeoutError, UnencodableCallError
+from taskiq_deduplication.exceptions import (
+    REDIS_ERRORS,
+    BacklogFullError,
+    CallTimeoutError,
+    UnencodableCallError,
+)
 
 if TYPE_CHECKING:
     import asyncio
@@ -26,6 +31,30 @@ logger = logging.getLogger(__name__)
 
 # Seconds between two warnings about calls dropped because the queue was full.
 _DROP_WARNING_INTERVAL: Final = 10.0
+
+
+#: What a lock call can fail with when Redis does not answer it as a script
+#: would: redis-py's errors, the socket's and the deadline's, and a reply that
+#: is not UTF-8 on a client that decodes (a foreign value under the prefix),
+#: which both ways through redis-py raise as ``UnicodeDecodeError``.
+REDIS_FAILURES: Final = (*REDIS_ERRORS, UnicodeDecodeError)
+
+
+@dataclass(frozen=True, slots=True)
+class RedisFailed:
+    """A lock operation that Redis did not answer, and why: the caller decides what it means."""
+
+    error: Exception
+    """What redis-py raised (a connection or response error, a timeout)."""
+
+    def __bool__(self) -> NoReturn:
+        """Refuse to be read as a yes or a no: a failure is neither (``is True`` is)."""
+        msg = f"a lock call Redis did not answer is neither true nor false: {self.error!r}"
+        raise TypeError(msg)
+
+    def raise_error(self) -> NoReturn:
+        """Raise the error, for a caller whose own caller gets it (``kiq`` without fail-open)."""
+        raise self.error
 
 
 @dataclass(eq=False, slots=True)

@@ -23,18 +23,20 @@ import enum
 import time
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import TYPE_CHECKING, Any, Final, NoReturn
+from typing import TYPE_CHECKING, Any, Final
 
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from taskiq_deduplication.exceptions import REDIS_ERRORS, CallTimeoutError
+from taskiq_deduplication.exceptions import CallTimeoutError
 from taskiq_deduplication.model.formats import lock_value, recorded_token, unsent_value
+from taskiq_deduplication.store.call import REDIS_FAILURES, RedisFailed
 from taskiq_deduplication.store.pipeline import (
     Pipeline,
     ScriptCall,
     text,
 )
+from taskiq_deduplication.store.slots import SlotStore
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -44,12 +46,6 @@ if TYPE_CHECKING:
 
     RedisClient = Redis | RedisCluster
 
-
-#: What a lock call can fail with when Redis does not answer it as a script
-#: would: redis-py's errors, the socket's and the deadline's, and a reply that
-#: is not UTF-8 on a client that decodes (a foreign value under the prefix),
-#: which both ways through redis-py raise as ``UnicodeDecodeError``.
-_UNANSWERED: Final = (*REDIS_ERRORS, UnicodeDecodeError)
 
 # Most locks in one re-assert call.
 _MAX_KEYS_PER_REASSERT: Final = 500
@@ -75,23 +71,6 @@ class Lock:
     def __post_init__(self) -> None:
         """Compute the value once: a heartbeat tick sends it for every running task."""
         object.__setattr__(self, "value", lock_value(self.token, self.task_id))
-
-
-@dataclass(frozen=True, slots=True)
-class RedisFailed:
-    """A lock operation that Redis did not answer, and why: the caller decides what it means."""
-
-    error: Exception
-    """What redis-py raised (a connection or response error, a timeout)."""
-
-    def __bool__(self) -> NoReturn:
-        """Refuse to be read as a yes or a no: a failure is neither (``is True`` is)."""
-        msg = f"a lock call Redis did not answer is neither true nor false: {self.error!r}"
-        raise TypeError(msg)
-
-    def raise_error(self) -> NoReturn:
-        """Raise the error, for a caller whose own caller gets it (``kiq`` without fail-open)."""
-        raise self.error
 
 
 class Reasserted(enum.IntEnum):
@@ -223,6 +202,8 @@ class LockStore:
         self._sent = load_script(client, "sent")
         self._unsent = load_script(client, "unsent")
         self._reopen = load_script(client, "reopen")
+        # For the limits: their slots ride in the same batches as the locks.
+        self._limit = load_script(client, "limit")
         self._pipeline = Pipeline(
             client,
             (
@@ -238,11 +219,14 @@ class LockStore:
                 self._sent,
                 self._unsent,
                 self._reopen,
+                self._limit,
             ),
             timeout=call_timeout(client),
             detached_timeout=_DETACHED_TIMEOUT,
             round_trip=round_trip,
         )
+        self.slots = SlotStore(self._pipeline, self._limit)
+        """The slots of limits, sent through the same pipeline."""
         # A multi-key script must stay in one hash slot on a cluster.
         self._keys_per_reassert = 1 if isinstance(client, RedisCluster) else _MAX_KEYS_PER_REASSERT
 
@@ -251,7 +235,7 @@ class LockStore:
         try:
             await self._client.ping()
             await self._pipeline.load_scripts()
-        except _UNANSWERED as exc:
+        except REDIS_FAILURES as exc:
             return RedisFailed(exc)
         return None
 
@@ -324,7 +308,7 @@ class LockStore:
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return RedisFailed(exc)
-        except _UNANSWERED as exc:
+        except REDIS_FAILURES as exc:
             return RedisFailed(exc)
         if status == _Acquire.TAKEN:
             return Acquired(None, token=token, fence=int(value) or None)
@@ -398,7 +382,7 @@ class LockStore:
             script = self._claim_with
         try:
             reply = await self._pipeline.call(script, keys, args, linger=linger)
-        except _UNANSWERED as exc:
+        except REDIS_FAILURES as exc:
             return RedisFailed(exc)
         if reply == Reasserted.REFRESHED:  # the run begins, its lock refreshed (most runs)
             return _BEGUN
@@ -558,7 +542,7 @@ class LockStore:
                 replies = [await self._pipeline.call(*calls[0], linger=linger)]
             else:
                 replies = await self._pipeline.call_many(calls)
-        except _UNANSWERED as exc:
+        except REDIS_FAILURES as exc:
             return RedisFailed(exc)
         outcomes: list[Reasserted | str] = [Reasserted.REFRESHED] * len(locks)
         flat = (reply for chunk_replies in replies for reply in chunk_replies)
@@ -572,7 +556,7 @@ class LockStore:
         """The yes or no of a script that answers 1 or 0, or why Redis gave none."""
         try:
             return bool(await self._pipeline.call(script, keys, args, linger=linger))
-        except _UNANSWERED as exc:
+        except REDIS_FAILURES as exc:
             return RedisFailed(exc)
 
     @property

@@ -167,6 +167,24 @@ class Pipeline:
             self._send_backlog()
         return await future
 
+    def call_soon(
+        self, script: AsyncScript, keys: Sequence[str], args: Sequence[str | int]
+    ) -> asyncio.Future[Any]:
+        """Queue a script call and return the future of its reply, without sending it yet.
+
+        A call made next in this turn of the event loop takes it along in its
+        own batch (one round trip for both); else it goes out at the end of
+        the turn. The future fails as `call` raises.
+        """
+        encoded_keys, encoded_args = encode(self._encoding, keys, args)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._admit(
+            Call(script, encoded_keys, encoded_args, future, loop.time() + self.timeout), loop
+        )
+        loop.call_soon(self._send_backlog)
+        return future
+
     async def call_many(self, calls: Sequence[ScriptCall]) -> list[Any]:
         """Send several script calls, all in the same batch, and return their replies."""
         if len(self._queue) + len(calls) > MAX_QUEUED:

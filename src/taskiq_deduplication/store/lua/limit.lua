@@ -1,0 +1,202 @@
+-- A limit: at most N runs at once (slots), at most so many starts per period
+-- (a rate, GCRA), and the runs that wait for a slot, in arrival order.
+--
+-- KEYS[1]  holders: sorted set, task_id -> lease deadline (us); also the
+--          channel on which a freed slot is handed to its next waiter
+-- KEYS[2]  tokens: hash, task_id -> "<run token> <start (us)>" of each holder
+-- KEYS[3]  waiting: sorted set, "<run token> <task_id>" -> arrival number
+-- KEYS[4]  leases: sorted set, the same members -> lease deadline (us)
+-- KEYS[5]  meta: hash, n (slots; 0: none), lease (us), interval and tolerance
+--          of the rate (us; 0: none), tat (the rate's theoretical arrival
+--          time, us), seq (the last arrival number)
+-- ARGV[1]  "take", "free" or "keep"
+--
+-- take: ARGV[2] task_id, ARGV[3] run token, ARGV[4] N (0: no concurrency
+--   limit), ARGV[5] lease (ms), ARGV[6] rate interval (us, 0: no rate),
+--   ARGV[7] rate tolerance (us)
+--   Returns {1, delay}: the run holds a slot (if N) and may start in delay us
+--   (its place in the rate, reserved); {2, ahead}: it waits, behind ahead
+--   others; its slot comes on the channel, "<member> <delay>".
+-- free: ARGV[2] task_id, ARGV[3] run token. Frees the run's slot, or takes it
+--   out of the waiting line. Returns 1 if it held or waited, else 0.
+-- keep: ARGV[2] lease (ms), then pairs task_id, run token. Refreshes each
+--   holder's and waiter's lease. Returns per pair {1, delay} (it holds a
+--   slot: one handed to it whose message was lost is found so), {2, 0} (it
+--   waits), or {0, 0} (it holds nothing: its lease lapsed).
+--
+-- A slot whose lease lapsed (its worker died) is freed by the next call of
+-- any kind, and handed on; so is a waiter's place. Every key lives as long as
+-- a lease lasts past its last use, or as long as the rate remembers.
+local H, TOKENS, WAITING, LEASES, META = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+
+local function int(x)
+  return string.format('%d', x)
+end
+
+local function meta_number(field)
+  return tonumber(redis.call('HGET', META, field) or '0')
+end
+
+-- The rate's next start: when a start now may come (us), and the new tat.
+local function place(interval, tolerance)
+  local tat = meta_number('tat')
+  if tat < now then
+    tat = now
+  end
+  local at = tat - tolerance
+  if at < now then
+    at = now
+  end
+  return at, tat + interval
+end
+
+local function purge()
+  local dead = redis.call('ZRANGEBYSCORE', H, '-inf', now)
+  for _, task in ipairs(dead) do
+    redis.call('ZREM', H, task)
+    redis.call('HDEL', TOKENS, task)
+  end
+  local gone = redis.call('ZRANGEBYSCORE', LEASES, '-inf', now)
+  for _, member in ipairs(gone) do
+    redis.call('ZREM', LEASES, member)
+    redis.call('ZREM', WAITING, member)
+  end
+end
+
+-- Hand free slots to the first waiters (a copy of a run that still holds a
+-- slot waits on, behind its run).
+local function grant()
+  local n = meta_number('n')
+  local free = n - redis.call('ZCARD', H)
+  if n == 0 or free <= 0 then
+    return
+  end
+  local lease = meta_number('lease')
+  local interval = meta_number('interval')
+  local tolerance = meta_number('tolerance')
+  for _, member in ipairs(redis.call('ZRANGE', WAITING, 0, free + 15)) do
+    if free <= 0 then
+      break
+    end
+    local token, task = string.match(member, '^(%S+) (%S+)$')
+    if redis.call('HEXISTS', TOKENS, task) == 0 then
+      redis.call('ZREM', WAITING, member)
+      redis.call('ZREM', LEASES, member)
+      local start = now
+      if interval > 0 then
+        local tat
+        start, tat = place(interval, tolerance)
+        redis.call('HSET', META, 'tat', int(tat))
+      end
+      redis.call('ZADD', H, int(now + lease), task)
+      redis.call('HSET', TOKENS, task, token .. ' ' .. int(start))
+      redis.call('PUBLISH', H, member .. ' ' .. int(start - now))
+      free = free - 1
+    end
+  end
+end
+
+local function keep_alive()
+  local lease = meta_number('lease')
+  local ms = math.ceil(math.max(2 * lease, meta_number('tat') - now) / 1000) + 1000
+  for _, key in ipairs(KEYS) do
+    redis.call('PEXPIRE', key, ms)
+  end
+end
+
+local function holds(task, token)
+  local value = redis.call('HGET', TOKENS, task)
+  if value and string.sub(value, 1, #token + 1) == token .. ' ' then
+    return tonumber(string.match(value, ' (%d+)$'))
+  end
+  return nil
+end
+
+local op = ARGV[1]
+purge()
+if op == 'take' then
+  local task, token, n = ARGV[2], ARGV[3], tonumber(ARGV[4])
+  local lease = tonumber(ARGV[5]) * 1000
+  local interval, tolerance = tonumber(ARGV[6]), tonumber(ARGV[7])
+  redis.call('HSET', META, 'n', ARGV[4], 'lease', int(lease), 'interval', ARGV[6],
+    'tolerance', ARGV[7])
+  local start = holds(task, token)
+  if start then
+    -- This take ran already (a batch sent again after a lost connection).
+    redis.call('ZADD', H, int(now + lease), task)
+    keep_alive()
+    return {1, math.max(start - now, 0)}
+  end
+  local member = token .. ' ' .. task
+  if n > 0 then
+    local waiting = redis.call('ZCARD', WAITING)
+    if redis.call('ZSCORE', WAITING, member) then
+      redis.call('ZADD', LEASES, int(now + lease), member)
+      keep_alive()
+      return {2, redis.call('ZRANK', WAITING, member)}
+    end
+    if redis.call('HEXISTS', TOKENS, task) == 1 or waiting > 0
+        or redis.call('ZCARD', H) >= n then
+      local seq = redis.call('HINCRBY', META, 'seq', 1)
+      redis.call('ZADD', WAITING, seq, member)
+      redis.call('ZADD', LEASES, int(now + lease), member)
+      grant()
+      keep_alive()
+      if redis.call('ZSCORE', WAITING, member) then
+        return {2, redis.call('ZRANK', WAITING, member)}
+      end
+      -- Handed a slot at once (a copy whose run had just ended).
+      start = holds(task, token)
+      return {1, math.max(start - now, 0)}
+    end
+  end
+  start = now
+  if interval > 0 then
+    local tat
+    start, tat = place(interval, tolerance)
+    redis.call('HSET', META, 'tat', int(tat))
+  end
+  if n > 0 then
+    redis.call('ZADD', H, int(now + lease), task)
+    redis.call('HSET', TOKENS, task, token .. ' ' .. int(start))
+  end
+  keep_alive()
+  return {1, start - now}
+elseif op == 'free' then
+  local task, token = ARGV[2], ARGV[3]
+  local found = 0
+  if holds(task, token) then
+    redis.call('ZREM', H, task)
+    redis.call('HDEL', TOKENS, task)
+    found = 1
+  else
+    local member = token .. ' ' .. task
+    found = redis.call('ZREM', WAITING, member)
+    redis.call('ZREM', LEASES, member)
+  end
+  grant()
+  keep_alive()
+  return found
+end
+-- keep
+local lease = tonumber(ARGV[2]) * 1000
+local replies = {}
+for i = 3, #ARGV, 2 do
+  local task, token = ARGV[i], ARGV[i + 1]
+  local member = token .. ' ' .. task
+  local start = holds(task, token)
+  if start then
+    redis.call('ZADD', H, int(now + lease), task)
+    replies[#replies + 1] = {1, math.max(start - now, 0)}
+  elseif redis.call('ZSCORE', WAITING, member) then
+    redis.call('ZADD', LEASES, int(now + lease), member)
+    replies[#replies + 1] = {2, 0}
+  else
+    replies[#replies + 1] = {0, 0}
+  end
+end
+grant()
+keep_alive()
+return replies

@@ -1,0 +1,165 @@
+"""Wake-ups: the channel on which a limit hands a freed slot to the run that waits for it.
+
+``limit.lua`` hands a freed slot to the first run in line and publishes
+``"<run token> <task_id> <delay>"`` on the limit's channel (the key of its
+holders). Each event loop with runs that wait subscribes, over one connection
+of its own, to the channels of their limits only, and wakes the one run named.
+A message can be lost (a reconnection); the runs' lease refreshes find a slot
+handed over all the same, within one refresh interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any, Final
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+
+from taskiq_deduplication.store.call import REDIS_FAILURES
+
+if TYPE_CHECKING:
+    from redis.asyncio.client import PubSub
+
+    RedisClient = Redis | RedisCluster
+
+logger = logging.getLogger(__name__)
+
+#: Seconds before the listener tries again after its connection failed.
+_RETRY_AFTER: Final = 0.5
+
+
+class Wakes:
+    """The runs of one event loop that wait for a slot, each woken by its limit's channel."""
+
+    def __init__(self, client: RedisClient) -> None:
+        """Listen through ``client`` (a connection of its own, opened on first use)."""
+        self._client = client
+        self._pubsub: PubSub | None = None
+        self._own: Redis | None = None
+        self._waiters: dict[str, dict[str, asyncio.Future[float]]] = {}
+        self._confirmed: dict[str, asyncio.Future[None]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    async def watch(self, channel: str, member: str) -> tuple[asyncio.Future[float], bool]:
+        """Wake ``member`` when ``channel`` names it: its future gets the delay to its start.
+
+        Returns the future, and whether the channel was subscribed just now (a
+        slot handed over before that went unheard: look once more). The
+        subscription is confirmed when this returns.
+
+        Raises:
+            redis.exceptions.RedisError: The subscription failed.
+        """
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[float] = loop.create_future()
+        members = self._waiters.setdefault(channel, {})
+        members[member] = future
+        confirmed = self._confirmed.get(channel)
+        if confirmed is not None:
+            await asyncio.shield(confirmed)
+            return future, False
+        confirmed = loop.create_future()
+        self._confirmed[channel] = confirmed
+        try:
+            pubsub = self._listener()
+            await pubsub.subscribe(channel)
+            self._read()
+            await asyncio.wait_for(asyncio.shield(confirmed), timeout=5.0)
+        except BaseException:
+            self._confirmed.pop(channel, None)
+            if not confirmed.done():
+                confirmed.cancel()
+            self.forget(channel, member)
+            raise
+        return future, True
+
+    def forget(self, channel: str, member: str) -> None:
+        """Stop waking ``member``; the last one of a channel unsubscribes from it."""
+        members = self._waiters.get(channel)
+        if members is None:
+            return
+        members.pop(member, None)
+        if not members:
+            del self._waiters[channel]
+            confirmed = self._confirmed.pop(channel, None)
+            if confirmed is not None and not confirmed.done():
+                confirmed.cancel()
+            if self._pubsub is not None:
+                with contextlib.suppress(*REDIS_FAILURES, RuntimeError):
+                    # Sent in the background: a waiter that got its slot does not wait for it.
+                    asyncio.get_running_loop().create_task(self._unsubscribe(channel))
+
+    def wake(self, channel: str, member: str, delay: float) -> None:
+        """Wake ``member`` of ``channel`` (a refresh found it holds its slot)."""
+        future = self._waiters.get(channel, {}).get(member)
+        if future is not None and not future.done():
+            future.set_result(delay)
+
+    async def close(self) -> None:
+        """Stop listening and close the connection."""
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+        pubsub, self._pubsub = self._pubsub, None
+        if pubsub is not None:
+            with contextlib.suppress(*REDIS_FAILURES):
+                await pubsub.aclose()
+        own, self._own = self._own, None
+        if own is not None:
+            with contextlib.suppress(*REDIS_FAILURES):
+                await own.aclose()
+
+    def _listener(self) -> PubSub:
+        if self._pubsub is None:
+            client = self._client
+            if isinstance(client, RedisCluster):
+                # A channel of PUBLISH reaches every node of a cluster: listen on one.
+                node = client.get_default_node()
+                kwargs: dict[str, Any] = dict(client.nodes_manager.connection_kwargs)
+                kwargs.pop("host", None)
+                kwargs.pop("port", None)
+                self._own = Redis(host=node.host, port=int(node.port), **kwargs)
+                client = self._own
+            self._pubsub = client.pubsub()
+        return self._pubsub
+
+    async def _unsubscribe(self, channel: str) -> None:
+        if channel in self._waiters or self._pubsub is None:
+            return  # a run waits on it again
+        with contextlib.suppress(*REDIS_FAILURES):
+            await self._pubsub.unsubscribe(channel)
+
+    def _read(self) -> None:
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        pubsub = self._pubsub
+        assert pubsub is not None  # noqa: S101 (made before the reader)
+        while self._waiters or self._confirmed:
+            try:
+                message = await pubsub.get_message(timeout=1.0)
+            except REDIS_FAILURES as exc:
+                logger.debug("Listening for freed slots failed (%s); again", exc)
+                await asyncio.sleep(_RETRY_AFTER)
+                continue
+            if message is None:
+                continue
+            kind = _text(message["type"])
+            channel = _text(message["channel"]) if message["channel"] is not None else ""
+            if kind == "subscribe":
+                confirmed = self._confirmed.get(channel)
+                if confirmed is not None and not confirmed.done():
+                    confirmed.set_result(None)
+            elif kind == "message":
+                token, task_id, delay = _text(message["data"]).split(" ")
+                self.wake(channel, f"{token} {task_id}", int(delay) / 1e6)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
