@@ -88,6 +88,7 @@ class SlotStore:
             slot.lease_ms,
             0 if rate is None else rate.interval_us,
             0 if rate is None else rate.tolerance_us,
+            "" if rate is None else str(rate),
         ]
         try:
             future = self._pipeline.call_soon(self._script, slot.keys.all, args)

@@ -7,13 +7,14 @@
 -- KEYS[3]  waiting: sorted set, "<run token> <task_id>" -> arrival number
 -- KEYS[4]  leases: sorted set, the same members -> lease deadline (us)
 -- KEYS[5]  meta: hash, n (slots; 0: none), lease (us), interval and tolerance
---          of the rate (us; 0: none), tat (the rate's theoretical arrival
---          time, us), seq (the last arrival number)
+--          of the rate (us; 0: none), rate (as its label says it, "" for
+--          none), tat (the rate's theoretical arrival time, us), seq (the last
+--          arrival number); what the locks page and `taskiq dedup limits` read
 -- ARGV[1]  "take", "free" or "keep"
 --
 -- take: ARGV[2] task_id, ARGV[3] run token, ARGV[4] N (0: no concurrency
 --   limit), ARGV[5] lease (ms), ARGV[6] rate interval (us, 0: no rate),
---   ARGV[7] rate tolerance (us)
+--   ARGV[7] rate tolerance (us), ARGV[8] the rate as its label says it ("2/s")
 --   Returns {1, delay}: the run holds a slot (if N) and may start in delay us
 --   (its place in the rate, reserved); {2, ahead}: it waits, behind ahead
 --   others; its slot comes on the channel, "<member> <delay>".
@@ -121,7 +122,7 @@ if op == 'take' then
   local lease = tonumber(ARGV[5]) * 1000
   local interval, tolerance = tonumber(ARGV[6]), tonumber(ARGV[7])
   redis.call('HSET', META, 'n', ARGV[4], 'lease', int(lease), 'interval', ARGV[6],
-    'tolerance', ARGV[7])
+    'tolerance', ARGV[7], 'rate', ARGV[8])
   local start = holds(task, token)
   if start then
     -- This take ran already (a batch sent again after a lost connection).
