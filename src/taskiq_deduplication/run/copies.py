@@ -79,7 +79,7 @@ def watch_deliveries(broker: AsyncBroker) -> None:
 
 def leave_out_body(
     message: TaskiqMessage, instead: Callable[..., Coroutine[Any, Any, Any]]
-) -> None:
+) -> Callable[[], None]:
     """Make the delivery of ``message`` call ``instead`` rather than its task's body.
 
     Its copy of the task (`watch_deliveries`) gets ``instead`` as its function.
@@ -87,6 +87,8 @@ def leave_out_body(
     asyncio task (a receiver of its own) has no copy: its positional
     arguments then refuse to be unpacked (`NotRun`), which taskiq reports as a
     run without a result.
+
+    Returns what puts the body back, for a delivery that must run it after all.
     """
     delivered = _DELIVERED.get()
     if (
@@ -94,9 +96,20 @@ def leave_out_body(
         and delivered[0] is asyncio.current_task()
         and getattr(delivered[1], "task_name", None) == message.task_name
     ):
-        delivered[1].original_func = instead
-        return
-    message.args = NotRun(message.args)
+        task, body = delivered[1], delivered[1].original_func
+        task.original_func = instead
+
+        def put_back() -> None:
+            task.original_func = body
+
+        return put_back
+    args = message.args
+    message.args = NotRun(args)
+
+    def put_args_back() -> None:
+        message.args = args
+
+    return put_args_back
 
 
 class NotRun(list[Any]):

@@ -49,6 +49,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_LEASE: Final = 30
 #: How many runs of one limit may wait in one event loop, unless ``limit_waiting`` says.
 DEFAULT_WAITING: Final = 2
+#: Seconds a run of a limit that lends this loop no more slots to wait in
+#: pauses for a place among them before it goes back to the broker.
+_PAUSE: Final = 1.0
 #: How long a run waits for Redis to answer its take before it tries again.
 _RETRY_AFTER: Final = 1.0
 
@@ -85,6 +88,8 @@ class Room:
         self.wakes = Wakes(state.client)
         self.waiting: dict[str, int] = {}
         """Runs of each limit that wait in this loop (for a slot or their start)."""
+        self._paused: dict[str, list[asyncio.Future[None]]] = {}
+        """Runs of each limit that wait for a place among those, before they go back."""
         self._runs: set[LimitedRun] = set()
         self._keeper: asyncio.Task[None] | None = None
 
@@ -96,6 +101,49 @@ class Room:
     def holding(self) -> int:
         """The number of runs in this loop that hold a slot."""
         return sum(1 for run in self._runs if run.holds)
+
+    def wait_more(self, name: str) -> None:
+        """One more run of ``name`` waits in this loop."""
+        self.waiting[name] = self.waiting.get(name, 0) + 1
+
+    def wait_less(self, name: str) -> None:
+        """One run of ``name`` waits no more: a run paused for a place may take it."""
+        left = self.waiting.get(name, 0) - 1
+        if left > 0:
+            self.waiting[name] = left
+        else:
+            self.waiting.pop(name, None)
+        paused = self._paused.get(name)
+        while paused:
+            future = paused.pop(0)
+            if not future.done():
+                future.set_result(None)
+                break
+
+    async def make_room(self, name: str, most: int) -> bool:
+        """Whether a run of ``name`` may wait here: fewer than ``most`` do, or one stops soon.
+
+        At most ``most`` runs of a limit pause here for a place, each for at
+        most `_PAUSE` seconds: a limit's backlog neither takes more of the
+        loop's slots nor goes round the broker at its full speed.
+        """
+        if self.waiting.get(name, 0) < most:
+            return True
+        paused = self._paused.setdefault(name, [])
+        if len(paused) >= most:
+            return False
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        paused.append(future)
+        try:
+            await asyncio.wait_for(future, _PAUSE)
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            if future in paused:
+                paused.remove(future)
+            if not paused:
+                self._paused.pop(name, None)
+        return self.waiting.get(name, 0) < most
 
     def add(self, run: LimitedRun) -> None:
         """Keep ``run``'s place alive until `discard`."""
@@ -192,11 +240,15 @@ class Limits:
             state.on_close.append(self._closer(state))
         return room
 
-    def begin(self, rule: LimitRule, message: TaskiqMessage, state: LoopState) -> LimitedRun | None:
-        """The place of ``message``'s run in its limit, or ``None`` if it must go back now.
+    async def begin(
+        self, rule: LimitRule, message: TaskiqMessage, state: LoopState
+    ) -> LimitedRun | None:
+        """The place of ``message``'s run in its limit (``None``: the run goes without one).
 
-        It goes back at once when this loop lends its limit all the slots it
-        may to wait in: it would wait behind them.
+        When this loop lends its limit all the slots it may to wait in, the
+        run would wait behind them: it pauses for a place among them for a
+        moment (`Room.make_room`), and is marked to go back to the broker if
+        none comes.
         """
         try:
             name = rule.name_of(message)
@@ -210,13 +262,13 @@ class Limits:
             return None
         slot = Slot(limit_keys(self._prefix, name), message.task_id, new_token(), self._lease_ms)
         run = LimitedRun(rule, name, slot, message.task_name, state, task=asyncio.current_task())
-        if self.room(state).waiting.get(name, 0) >= self._waiting:
-            run.requeued = True
         self._runs[message.task_id, run.task] = run
         if run.task is not None:
             # However the delivery ends (post_execute, or cancelled before it), the slot goes.
             run.on_task_done = functools.partial(self._task_done, run)
             run.task.add_done_callback(run.on_task_done)
+        if not await self.room(state).make_room(name, self._waiting):
+            run.requeued = True
         return run
 
     def _task_done(self, run: LimitedRun, _task: object) -> None:
@@ -248,8 +300,7 @@ class Limits:
             run.entered = True
 
     async def _enter(self, run: LimitedRun, message: TaskiqMessage, broker: AsyncBroker) -> None:
-        if run.requeued:
-            await self._requeue(run, message, broker)
+        if run.requeued and await self._requeue(run, message, broker):
             return
         room = self.room(run.state)
         started = time.monotonic()
@@ -264,8 +315,9 @@ class Limits:
                 if room.waiting.get(run.name, 0) >= self._waiting:
                     room.discard(run)
                     run.state.locks.slots.free(run.slot)
-                    await self._requeue(run, message, broker)
-                    return
+                    if await self._requeue(run, message, broker):
+                        return
+                    continue  # refused: it takes its place in line again
                 if not waited:
                     waited = True
                     self._say(LockEventKind.LIMITED, run, message, None)
@@ -277,14 +329,18 @@ class Limits:
             run.holds = True
             if delay > 0:  # its start in the rate is still to come
                 waited = True
-                room.waiting[run.name] = room.waiting.get(run.name, 0) + 1
-                try:
-                    await asyncio.sleep(delay)
-                finally:
-                    self._unwait(room, run.name)
+                await self._until_start(room, run, delay)
             if waited:
                 self._say(LockEventKind.WAITED, run, message, time.monotonic() - started)
             return
+
+    async def _until_start(self, room: Room, run: LimitedRun, delay: float) -> None:
+        """Wait ``delay`` seconds for the start the rate gave ``run``: a run that waits too."""
+        room.wait_more(run.name)
+        try:
+            await asyncio.sleep(delay)
+        finally:
+            room.wait_less(run.name)
 
     async def _take(self, run: LimitedRun, message: TaskiqMessage) -> Taken | Waits | None:
         """Take ``run``'s slot (with the take sent with its claim, if any).
@@ -316,7 +372,7 @@ class Limits:
 
     async def _wait(self, room: Room, run: LimitedRun) -> float | None:
         """Wait in line until the slot is handed over; the delay to the start, or ``None``."""
-        room.waiting[run.name] = room.waiting.get(run.name, 0) + 1
+        room.wait_more(run.name)
         channel = run.slot.keys.holders
         try:
             try:
@@ -331,15 +387,8 @@ class Limits:
             delay = await future
         finally:
             room.wakes.forget(channel, run.slot.member)
-            self._unwait(room, run.name)
+            room.wait_less(run.name)
         return None if delay < 0 else delay
-
-    def _unwait(self, room: Room, name: str) -> None:
-        left = room.waiting.get(name, 0) - 1
-        if left > 0:
-            room.waiting[name] = left
-        else:
-            room.waiting.pop(name, None)
 
     def end(self, message: TaskiqMessage, result: TaskiqResult[Any] | None) -> LimitedRun | None:
         """Free the slot of ``message``'s run (its end, whatever it was); the run, if limited."""
@@ -372,12 +421,33 @@ class Limits:
             run.holds = False
             run.state.locks.slots.free(run.slot)
 
-    async def _requeue(self, run: LimitedRun, message: TaskiqMessage, broker: AsyncBroker) -> None:
-        """Send ``message`` back to the broker, unchanged; this delivery ends without its body."""
+    async def _requeue(self, run: LimitedRun, message: TaskiqMessage, broker: AsyncBroker) -> bool:
+        """Send ``message`` back to the broker, unchanged; this delivery ends without its body.
+
+        Whether it went: a broker that refused it leaves the run to wait in
+        line after all (its message must not be lost).
+        """
+        # First: an in-process broker's kick looks the task up in this very
+        # asyncio task, and the body to leave out is this delivery's own.
+        put_back = leave_out_body(message, _nothing)
+        try:
+            await broker.kick(broker.formatter.dumps(message))
+        except Exception as exc:  # noqa: BLE001 (any broker's error: the run waits instead)
+            put_back()
+            run.requeued = False
+            logger.warning(
+                "Could not send task %s (%s) back to the broker (%s: %s); it waits for "
+                "limit %r here",
+                message.task_name,
+                message.task_id,
+                type(exc).__name__,
+                exc,
+                run.name,
+            )
+            return False
         run.requeued = True
         self._say(LockEventKind.LIMITED, run, message, None)
-        await broker.kick(broker.formatter.dumps(message))
-        leave_out_body(message, _nothing)
+        return True
 
     def _say(
         self, kind: LockEventKind, run: LimitedRun, message: TaskiqMessage, waited: float | None

@@ -112,12 +112,12 @@ class Runs:
         if recorded is None and rule is None:
             return message
         state = self._states.get() or await self._states.current()
-        limited = None if rule is None else self._limits.begin(rule, message, state)
-        if recorded is None or (limited is not None and limited.requeued):
+        limited = None if rule is None else await self._limits.begin(rule, message, state)
+        if limited is not None and (recorded is None or limited.requeued):
             # Nothing of a lock to begin, or the run goes back to the broker
-            # before it touches its lock.
-            if limited is not None:
-                await self._limits.enter(limited, message, self._options.broker)
+            # before it touches its lock (unless the broker refuses it).
+            await self._limits.enter(limited, message, self._options.broker)
+        if recorded is None or (limited is not None and limited.requeued):
             return message
         execution = self._execution(message, recorded, state)
         execution.limited = limited
@@ -153,6 +153,8 @@ class Runs:
         keeps its lock until it holds its slot, so it takes the slot first.
         Otherwise the take rides in the claim's round trip.
         """
+        if limited.entered:  # it waited already: its message could not go back
+            return True
         if execution.policy.at_start is Step.RELEASE:
             await self._limits.enter(limited, message, self._options.broker)
             return not limited.requeued

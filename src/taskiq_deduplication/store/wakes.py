@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 from typing import TYPE_CHECKING, Any, Final
 
@@ -27,6 +28,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: What a cluster client's connections take that a client of one node takes too
+#: (credentials, TLS, timeouts), not how the cluster client builds them.
+_CLIENT_OPTIONS: Final = frozenset(inspect.signature(Redis.__init__).parameters) - {
+    "self",
+    "host",
+    "port",
+    "connection_pool",
+    "single_connection_client",
+}
 #: Seconds before the listener tries again after its connection failed.
 _RETRY_AFTER: Final = 0.5
 
@@ -42,6 +52,9 @@ class Wakes:
         self._waiters: dict[str, dict[str, asyncio.Future[float]]] = {}
         self._confirmed: dict[str, asyncio.Future[None]] = {}
         self._reader: asyncio.Task[None] | None = None
+        # One (un)subscription at a time: redis-py's PubSub connects on the
+        # first, and two at once would each open a connection of their own.
+        self._subscribing = asyncio.Lock()
 
     async def watch(self, channel: str, member: str) -> tuple[asyncio.Future[float], bool]:
         """Wake ``member`` when ``channel`` names it: its future gets the delay to its start.
@@ -64,8 +77,8 @@ class Wakes:
         confirmed = loop.create_future()
         self._confirmed[channel] = confirmed
         try:
-            pubsub = self._listener()
-            await pubsub.subscribe(channel)
+            async with self._subscribing:
+                await self._listener().subscribe(channel)
             self._read()
             await asyncio.wait_for(asyncio.shield(confirmed), timeout=5.0)
         except BaseException:
@@ -120,9 +133,11 @@ class Wakes:
             if isinstance(client, RedisCluster):
                 # A channel of PUBLISH reaches every node of a cluster: listen on one.
                 node = client.get_default_node()
-                kwargs: dict[str, Any] = dict(client.nodes_manager.connection_kwargs)
-                kwargs.pop("host", None)
-                kwargs.pop("port", None)
+                kwargs: dict[str, Any] = {
+                    name: value
+                    for name, value in client.nodes_manager.connection_kwargs.items()
+                    if name in _CLIENT_OPTIONS
+                }
                 self._own = Redis(host=node.host, port=int(node.port), **kwargs)
                 client = self._own
             self._pubsub = client.pubsub()
@@ -131,8 +146,9 @@ class Wakes:
     async def _unsubscribe(self, channel: str) -> None:
         if channel in self._waiters or self._pubsub is None:
             return  # a run waits on it again
-        with contextlib.suppress(*REDIS_FAILURES):
-            await self._pubsub.unsubscribe(channel)
+        async with self._subscribing:
+            with contextlib.suppress(*REDIS_FAILURES):
+                await self._pubsub.unsubscribe(channel)
 
     def _read(self) -> None:
         if self._reader is None or self._reader.done():

@@ -1,0 +1,361 @@
+"""Keyed flow control (issue 34): the ``limit_*`` labels on real runs, on a real Redis.
+
+Two brokers with a middleware each, in one event loop, stand for two workers:
+each middleware keeps its own runs, waits and wake-ups, and they meet only in
+Redis. The end-to-end tests with worker processes on the four brokers are in
+``tests/e2e/test_limits.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from taskiq import InMemoryBroker
+
+from taskiq_deduplication import DuplicateTaskError, LockEvent, LockEventKind
+from taskiq_deduplication.middleware import loop_states
+from taskiq_deduplication.model.limits import limit_keys
+from taskiq_deduplication.store.slots import Slot, Taken
+from tests._brokers import HoldingBroker
+from tests._topologies import all_topologies
+
+if TYPE_CHECKING:
+    import redis.asyncio
+
+    from tests._brokers import BrokerFactory
+    from tests._middlewares import MiddlewareFactory
+
+
+class Ledger:
+    """Who runs now, per limit, and the most that ever ran at once."""
+
+    def __init__(self) -> None:
+        self.running: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+        self.starts: list[tuple[str, float]] = []
+
+    async def run(self, key: str, seconds: float) -> None:
+        self.running[key] = self.running.get(key, 0) + 1
+        self.peak[key] = max(self.peak.get(key, 0), self.running[key])
+        self.starts.append((key, time.monotonic()))
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            self.running[key] -= 1
+
+
+async def two_workers(make_broker: BrokerFactory, **options: Any) -> list[InMemoryBroker]:
+    """Two brokers, each with a middleware of its own on the test's Redis and prefix."""
+    return [await make_broker(**options), await make_broker(**options)]
+
+
+async def results(handles: list[Any], timeout: float = 30.0) -> list[Any]:
+    """The return values of ``handles``, each one's result awaited; a failure fails the test."""
+    values = []
+    for handle in handles:
+        result = await handle.wait_result(timeout=timeout)
+        assert not result.is_err, result.error
+        values.append(result.return_value)
+    return values
+
+
+@all_topologies()
+async def test_runs_of_a_limit_never_overlap_beyond_it_across_workers(
+    make_broker: BrokerFactory,
+) -> None:
+    ledger = Ledger()
+    handles = []
+    for broker in await two_workers(make_broker, limit_waiting=50):
+
+        @broker.task(task_name="limited", limit_concurrency=2, deduplication=False)
+        async def limited(i: int) -> int:
+            await ledger.run("limited", 0.02)
+            return i
+
+        handles += [await limited.kiq(i) for i in range(12)]
+    assert sorted(await results(handles)) == sorted(list(range(12)) * 2)
+    assert ledger.peak["limited"] == 2
+
+
+async def test_a_limit_without_its_labels_has_no_effect(make_broker: BrokerFactory) -> None:
+    # The control of the test above: without the label the same runs overlap,
+    # so a peak of 2 there is the limit's doing.
+    ledger = Ledger()
+    broker = await make_broker()
+
+    @broker.task(deduplication=False)
+    async def free(i: int) -> int:
+        await ledger.run("free", 0.05)
+        return i
+
+    await results([await free.kiq(i) for i in range(6)])
+    assert ledger.peak["free"] > 2  # noqa: PLR2004
+
+
+async def test_a_rate_spaces_the_starts_of_its_runs(make_broker: BrokerFactory) -> None:
+    ledger = Ledger()
+    handles = []
+    for broker in await two_workers(make_broker, limit_waiting=50):
+
+        @broker.task(task_name="rated", limit_rate="10/s", limit_burst=3, deduplication=False)
+        async def rated() -> None:
+            await ledger.run("rated", 0)
+
+        handles += [await rated.kiq() for _ in range(10)]
+    await results(handles)
+    starts = sorted(moment for _, moment in ledger.starts)
+    assert len(starts) == 20  # noqa: PLR2004
+    # At most 10 + 3 - 1 starts in any second (a few ms for the clock's read
+    # after Redis placed the start).
+    for first in starts:
+        assert sum(1 for s in starts if first <= s < first + 1.0 - 0.005) <= 12  # noqa: PLR2004
+    # And the rate holds them back: 20 starts at 10/s take about a second.
+    assert starts[-1] - starts[0] >= 0.7  # noqa: PLR2004
+
+
+async def test_tasks_that_name_one_limit_key_share_it(make_broker: BrokerFactory) -> None:
+    ledger = Ledger()
+    broker = await make_broker(limit_waiting=50)
+
+    @broker.task(limit_key="vendor-api", limit_concurrency=1, deduplication=False)
+    async def fetch(i: int) -> None:
+        await ledger.run("vendor-api", 0.02)
+
+    @broker.task(limit_key="vendor-api", limit_concurrency=1, deduplication=False)
+    async def push(i: int) -> None:
+        await ledger.run("vendor-api", 0.02)
+
+    handles = [await task.kiq(i) for i in range(5) for task in (fetch, push)]
+    await results(handles)
+    assert ledger.peak["vendor-api"] == 1
+
+
+async def test_key_fields_make_one_limit_per_value(make_broker: BrokerFactory) -> None:
+    ledger = Ledger()
+    broker = await make_broker(limit_waiting=50)
+
+    @broker.task(limit_concurrency=1, limit_key_fields=["tenant"], deduplication=False)
+    async def report(tenant: str, i: int) -> None:
+        await ledger.run(tenant, 0.05)
+        await ledger.run("any", 0)
+
+    handles = [
+        await report.kiq(tenant=tenant, i=i) for i in range(4) for tenant in ("acme", "globex")
+    ]
+    await results(handles)
+    assert ledger.peak["acme"] == 1
+    assert ledger.peak["globex"] == 1
+    # The tenants' limits are their own: their runs went side by side.
+    starts = {key: [m for k, m in ledger.starts if k == key] for key in ("acme", "globex")}
+    assert min(abs(a - g) for a in starts["acme"] for g in starts["globex"]) < 0.04  # noqa: PLR2004
+
+
+@pytest.mark.parametrize(
+    ("labels", "named"),
+    [
+        ({"limit_concurrency": 0}, "limit_concurrency"),
+        ({"limit_concurrency": "two"}, "limit_concurrency"),
+        ({"limit_rate": "5/d"}, "limit_rate"),
+        ({"limit_rate": "five per second"}, "limit_rate"),
+        ({"limit_rate": "0/s"}, "limit_rate"),
+        ({"limit_rate": "5/s", "limit_burst": 0}, "limit_burst"),
+        ({"limit_burst": 2}, "limit_burst"),
+        ({"limit_key": "vendor"}, "limit_key"),
+        ({"limit_concurrency": 1, "limit_key": ""}, "limit_key"),
+        ({"limit_concurrency": 1, "limit_key_fields": "tenant"}, "limit_key_fields"),
+        ({"limit_concurency": 1}, "limit_concurrency"),
+    ],
+)
+async def test_a_bad_limit_label_fails_the_kiq_and_the_startup_naming_it(
+    make_broker: BrokerFactory, make_middleware: MiddlewareFactory, labels: Any, named: str
+) -> None:
+    broker = await make_broker()
+
+    @broker.task(deduplication=False)
+    async def job() -> None: ...
+
+    with pytest.raises(ValueError, match=named):
+        await job.kicker().with_labels(**labels).kiq()
+    fresh = InMemoryBroker().with_middlewares(make_middleware())
+    fresh.register_task(job.original_func, task_name="bad", **labels)
+    with pytest.raises(ValueError, match=f"bad: .*{named}"):
+        await fresh.startup()
+
+
+async def test_a_failed_run_frees_its_slot(make_broker: BrokerFactory) -> None:
+    broker = await make_broker(limit_waiting=50)
+
+    @broker.task(limit_concurrency=1, deduplication=False)
+    async def flaky(fail: bool) -> str:  # noqa: FBT001
+        await asyncio.sleep(0.01)
+        if fail:
+            raise RuntimeError("boom")
+        return "ok"
+
+    failing = await flaky.kiq(True)  # noqa: FBT003
+    later = await flaky.kiq(False)  # noqa: FBT003
+    assert (await failing.wait_result(timeout=10)).is_err
+    assert (await later.wait_result(timeout=10)).return_value == "ok"
+
+
+async def test_runs_past_the_waiting_bound_go_back_to_the_broker_and_all_run(
+    make_broker: BrokerFactory,
+) -> None:
+    ledger = Ledger()
+    broker = await make_broker(limit_waiting=1)
+    events: list[LockEvent] = []
+    broker.middlewares[0].subscribe(events.append)  # type: ignore[attr-defined]
+
+    @broker.task(limit_concurrency=1, deduplication=False)
+    async def slow(i: int) -> int:
+        await ledger.run("slow", 0.03)
+        return i
+
+    handles = [await slow.kiq(i) for i in range(5)]
+    assert sorted(await results(handles)) == list(range(5))
+    assert ledger.peak["slow"] == 1
+    requeued = [e for e in events if e.kind is LockEventKind.LIMITED and e.requeued]
+    assert requeued, "no run went back to the broker"
+    # Each call ran its body once: a delivery that went back ran nothing.
+    assert len(ledger.starts) == 5  # noqa: PLR2004
+
+
+async def test_a_waiting_run_is_handed_the_slot_by_the_run_that_frees_it(
+    make_broker: BrokerFactory,
+) -> None:
+    # A lease of 10 minutes: the refresh that would also find a slot handed
+    # over comes only after 200 s. The waiter must be woken by the channel.
+    broker = await make_broker(running_ttl=600, limit_waiting=50)
+
+    @broker.task(limit_concurrency=1, deduplication=False)
+    async def one_at_a_time(i: int) -> int:
+        await asyncio.sleep(0.01)
+        return i
+
+    handles = [await one_at_a_time.kiq(i) for i in range(4)]
+    assert await asyncio.wait_for(results(handles), timeout=60) == [0, 1, 2, 3]
+
+
+async def test_the_slot_of_a_run_whose_worker_died_lapses_within_its_lease(
+    make_broker: BrokerFactory, prefix: str
+) -> None:
+    broker = await make_broker(running_ttl=2, limit_waiting=50)
+    state = await loop_states(broker.middlewares[0]).current()  # type: ignore[arg-type]
+
+    @broker.task(limit_concurrency=1, deduplication=False)
+    async def after_death() -> float:
+        return time.monotonic()
+
+    # A worker that took the only slot and died: nobody refreshes it.
+    dead = Slot(limit_keys(prefix, after_death.task_name), "dead-task", "~dead", 2000)
+    assert isinstance(await state.locks.slots.take(dead, 1, None), Taken)
+
+    sent = time.monotonic()
+    started = (await results([await after_death.kiq()]))[0]
+    assert started - sent >= 1.0  # noqa: PLR2004 (it waited for the lease, 2 s from the take)
+
+
+async def test_a_copy_of_a_running_message_takes_no_second_slot(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker, limit_waiting=50)
+    release = asyncio.Event()
+
+    @broker.task(limit_concurrency=5)
+    async def exclusive() -> None:
+        await release.wait()
+
+    await exclusive.kiq()
+    message = broker.queued[0]
+    first = asyncio.create_task(broker.receiver.callback(message=message.message))
+    holders = limit_keys(prefix, exclusive.task_name).holders
+
+    async def in_use() -> int:
+        return int(await redis_client.zcard(holders))
+
+    while await in_use() < 1:
+        await asyncio.sleep(0.01)
+    copy = asyncio.create_task(broker.receiver.callback(message=message.message))
+    await asyncio.sleep(0.3)  # the copy waits for its run, by the run slot of its lock
+    assert await in_use() == 1
+    release.set()
+    await asyncio.wait_for(asyncio.gather(first, copy), timeout=20)
+    assert await in_use() == 0
+
+
+async def test_a_started_run_that_waits_for_its_limit_keeps_its_lock(
+    make_broker: BrokerFactory,
+) -> None:
+    broker = await make_broker(limit_waiting=50)
+    release = asyncio.Event()
+
+    @broker.task(limit_concurrency=1, deduplication_until="started")
+    async def guarded(i: int) -> int:
+        await release.wait()
+        return i
+
+    running = await guarded.kiq(1)
+    waiting = await guarded.kiq(2)
+    await asyncio.sleep(0.3)  # the second run waits for the slot, still queued
+    with pytest.raises(DuplicateTaskError):
+        await guarded.kiq(2)
+    release.set()
+    assert await results([running, waiting]) == [1, 2]
+
+
+async def test_a_run_that_waits_says_so_and_how_long(make_broker: BrokerFactory) -> None:
+    broker = await make_broker(limit_waiting=50)
+    events: list[LockEvent] = []
+    broker.middlewares[0].subscribe(events.append)  # type: ignore[attr-defined]
+
+    @broker.task(limit_concurrency=1, deduplication=False)
+    async def paced() -> None:
+        await asyncio.sleep(0.1)
+
+    await results([await paced.kiq(), await paced.kiq()])
+    limited = [e for e in events if e.kind is LockEventKind.LIMITED]
+    waited = [e for e in events if e.kind is LockEventKind.WAITED]
+    assert len(limited) == 1
+    assert limited[0].requeued is False
+    assert limited[0].key is not None
+    assert limited[0].key.endswith("{" + paced.task_name + "}")
+    assert len(waited) == 1
+    assert waited[0].waited is not None
+    assert waited[0].waited > 0.05  # noqa: PLR2004 (it waited for most of the first run)
+
+
+async def test_no_slot_is_left_behind_once_every_run_ended(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(limit_waiting=2)
+
+    @broker.task(limit_concurrency=2, limit_key_fields=["n"], deduplication=False)
+    async def many(n: int, i: int) -> None:
+        await asyncio.sleep(0.005)
+
+    await results([await many.kiq(n=i % 3, i=i) for i in range(30)])
+    await asyncio.sleep(0.1)  # the last frees ride on no later call: they go at the turn's end
+    keys = [k async for k in redis_client.scan_iter(match=f"{prefix}#limit:*")]
+    assert keys
+    for key in keys:
+        if key.endswith("}") or key.endswith((":tokens", ":waiting", ":leases")):
+            assert await redis_client.exists(key) == 0, key
+
+
+async def test_a_unique_limit_key_is_cleaned_away_after_its_lease(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker(running_ttl=1)
+    name = f"once-{uuid.uuid4().hex[:6]}"
+
+    @broker.task(limit_key=name, limit_concurrency=1, deduplication=False)
+    async def once() -> None: ...
+
+    await results([await once.kiq()])
+    meta = limit_keys(prefix, name).meta
+    ttl = await redis_client.pttl(meta)
+    assert 0 < ttl <= 3000  # noqa: PLR2004 (two leases and a second: nothing stays forever)
