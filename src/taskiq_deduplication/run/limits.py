@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import functools
 import logging
 import time
@@ -312,18 +313,12 @@ class Limits:
                 return
             room.add(run)
             if isinstance(taken, Waits):
-                if room.waiting.get(run.name, 0) >= self._waiting:
-                    room.discard(run)
-                    run.state.locks.slots.free(run.slot)
-                    if await self._requeue(run, message, broker):
-                        return
-                    continue  # refused: it takes its place in line again
-                if not waited:
-                    waited = True
-                    self._say(LockEventKind.LIMITED, run, message, None)
-                delay = await self._wait(room, run)
+                delay = await self._in_line(room, run, message, broker, first=not waited)
+                waited = True
+                if delay is _SENT_BACK:
+                    return
                 if delay is None:
-                    continue  # its place lapsed: take a new one
+                    continue  # its place lapsed, or the broker refused it: a new place
             else:
                 delay = taken.delay
             run.holds = True
@@ -333,6 +328,30 @@ class Limits:
             if waited:
                 self._say(LockEventKind.WAITED, run, message, time.monotonic() - started)
             return
+
+    async def _in_line(
+        self,
+        room: Room,
+        run: LimitedRun,
+        message: TaskiqMessage,
+        broker: AsyncBroker,
+        *,
+        first: bool,
+    ) -> float | _SentBack | None:
+        """Wait in line for ``run``'s slot: the delay to its start once handed over.
+
+        ``None``: its place lapsed, take another; `_SENT_BACK`: this loop lends
+        the limit no more slots to wait in, and its message went back.
+        """
+        if room.waiting.get(run.name, 0) >= self._waiting:
+            room.discard(run)
+            run.state.locks.slots.free(run.slot)
+            if await self._requeue(run, message, broker):
+                return _SENT_BACK
+            return None  # the broker refused it: it waits here after all
+        if first:
+            self._say(LockEventKind.LIMITED, run, message, None)
+        return await self._wait(room, run)
 
     async def _until_start(self, room: Room, run: LimitedRun, delay: float) -> None:
         """Wait ``delay`` seconds for the start the rate gave ``run``: a run that waits too."""
@@ -486,6 +505,14 @@ class Limits:
                 await room.close()
 
         return close
+
+
+class _SentBack(enum.Enum):
+    SENT_BACK = enum.auto()
+
+
+_SENT_BACK: Final = _SentBack.SENT_BACK
+"""A run in line whose message went back to the broker instead."""
 
 
 async def _nothing(*_args: object, **_kwargs: object) -> None:
