@@ -75,7 +75,7 @@ async def test_taskiq_finds_the_dedup_command_in_its_entry_points() -> None:
     )
     out, _ = await asyncio.wait_for(process.communicate(), 30)
     assert process.returncode == 0
-    for command in ("list", "show", "release", "key", "exit status"):
+    for command in ("list", "show", "release", "key", "limits", "exit status"):
         assert command in out.decode()
 
 

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
         UnfingerprintableError,
         WorkerStartError,
     )
-    from taskiq_deduplication.locks import LockInfo, Locks
+    from taskiq_deduplication.locks import LimitInfo, LockInfo, Locks
     from taskiq_deduplication.middleware import RedisDeduplicationMiddleware
     from taskiq_deduplication.observe.events import LockEvent, LockEventKind
     from taskiq_deduplication.scheduler import DeduplicatedScheduleSource, DeduplicationScheduler
@@ -45,6 +45,7 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidSettingError",
     "JoinedTask",
+    "LimitInfo",
     "LockEvent",
     "LockEventKind",
     "LockInfo",
@@ -76,6 +77,7 @@ _MODULES: Final = {
     "InvalidArgumentError": "exceptions",
     "InvalidSettingError": "exceptions",
     "JoinedTask": "calls",
+    "LimitInfo": "locks",
     "LockEvent": "observe.events",
     "LockEventKind": "observe.events",
     "LockInfo": "locks",

@@ -1,8 +1,9 @@
 """The locks in Redis, for tools: read, listed and released from outside the workers.
 
 What ``taskiq dedup`` and the pytest plugin use, and what any tool of yours may:
-the lock at a key, the locks under a prefix, an owner-checked release, and the
-key a call would take::
+the lock at a key, the locks under a prefix, an owner-checked release, the key
+a call would take, and the limits of runs (``limit_concurrency``,
+``limit_rate``) with their use::
 
     async with Locks.from_url("redis://localhost:6379/0") as locks:
         async for lock in locks.scan("report-*"):
@@ -10,6 +11,8 @@ key a call would take::
         lock = await locks.get("nightly-export")
         if lock is not None:
             await locks.release(lock)  # only if the same send still holds it
+        for limit in await locks.limits():
+            print(limit.name, limit.in_use, limit.concurrency, limit.waiting)
 
 Locks are found with ``SCAN`` (never ``KEYS``), on every primary of a cluster,
 a batch at a time, and each batch is read in one pipelined round trip (``GET``
@@ -24,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fnmatch
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
@@ -43,6 +47,7 @@ from taskiq_deduplication.model.formats import (
     namespace_patterns,
     read_lock_value,
 )
+from taskiq_deduplication.model.limits import limit_pattern
 from taskiq_deduplication.model.settings import check_prefix
 from taskiq_deduplication.store import scan as inspect
 from taskiq_deduplication.store.client import connect
@@ -56,7 +61,7 @@ if TYPE_CHECKING:
 
     RedisClient = Redis | RedisCluster
 
-__all__ = ["DEFAULT_PREFIX", "SCAN_COUNT", "LockInfo", "Locks"]
+__all__ = ["DEFAULT_PREFIX", "SCAN_COUNT", "LimitInfo", "LockInfo", "Locks"]
 
 #: The middleware's ``key_prefix`` unless it is given one.
 DEFAULT_PREFIX: Final = "taskiq:deduplication"
@@ -117,6 +122,38 @@ class LockInfo:
     process died there (the lock then goes with the grace TTL, 10 seconds)."""
     task_name: str | None = None
     """The holder's task name, where the middleware records it (``record_task_name``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LimitInfo:
+    """One limit of runs (``limit_concurrency``, ``limit_rate``) as Redis holds it when it was read.
+
+    A limit is named by its ``limit_key`` (by default its task's name); with
+    ``limit_key_fields`` there is one per value of those arguments, named
+    ``<limit_key>:<digest>``, never the values themselves. Redis keeps a limit
+    while it is used and for two leases after (a minute by default), or as
+    long as its rate remembers a start. A run whose worker died holds its
+    slot, or its place in line, until its lease lapses: it is not counted here
+    from then on.
+    """
+
+    name: str
+    """The limit's name: its ``limit_key``, or the task's name, with the digest
+    of its ``limit_key_fields``' values after a ``:``."""
+    key: str
+    """The Redis key of the limit's holders (``<key_prefix>#limit:{<name>}``);
+    the limit's other keys are named after it."""
+    concurrency: int | None
+    """Its ``limit_concurrency``: at most this many runs at once; ``None`` for none."""
+    rate: str | None
+    """Its ``limit_rate`` as the label spells it (``"10/s"``, ``"2/5s"``); ``None`` for none."""
+    in_use: int
+    """The runs that hold a slot now (always 0 without ``concurrency``: a
+    rate alone counts starts, not runs)."""
+    waiting: int
+    """The runs that wait in line for a slot now."""
+    holders: tuple[str, ...]
+    """The ``task_id`` of each run that holds a slot now."""
 
 
 class _Task(Protocol):
@@ -278,7 +315,7 @@ class Locks:
         """
         client = await self._client()
         pattern = key_pattern(self._prefix, match)
-        async for batch in inspect.lock_batches(client, pattern, count):
+        async for batch in inspect.batches(client, pattern, count, inspect.read_locks):
             for read in batch:
                 lock = self._info(read)
                 if holder_task_id is None or lock.holder_task_id == holder_task_id:
@@ -334,6 +371,46 @@ class Locks:
             if cursor is None or len(found) >= limit:
                 break
         return found, cursor
+
+    async def limits(self, match: str = "*", *, count: int = SCAN_COUNT) -> list[LimitInfo]:
+        """Every limit of runs under the prefix whose name matches ``match``, sorted by name.
+
+        Limits are found by their records with ``SCAN`` (on a cluster, on every
+        primary), and read with plain commands (``HMGET``, ``ZRANGEBYSCORE``,
+        ``ZCOUNT``), a batch in one round trip after asking the server's
+        ``TIME``: a run whose lease lapsed is counted neither as a holder nor
+        as waiting. Nothing is written.
+
+        Args:
+            match: A glob over the limits' names, in Python's ``fnmatch``
+                syntax (``"send_email:*"``: every limit of a task keyed by its
+                arguments).
+            count: The ``COUNT`` hint of each ``SCAN`` call.
+
+        Returns:
+            The limits, each as it was read.
+
+        Raises:
+            redis.exceptions.RedisError: Redis failed, or the user may not run
+                ``SCAN`` or read a limit's keys.
+        """
+        client = await self._client()
+        read = functools.partial(inspect.read_limits, prefix=self._prefix, match=match)
+        found = [
+            LimitInfo(
+                name=limit.name,
+                key=limit.keys.holders,
+                concurrency=limit.concurrency or None,
+                rate=limit.rate or None,
+                in_use=len(limit.holders),
+                waiting=limit.waiting,
+                holders=tuple(limit.holders),
+            )
+            async for batch in inspect.batches(client, limit_pattern(self._prefix), count, read)
+            for limit in batch
+        ]
+        # On a cluster a limit seen on two primaries (a resharding) is one limit.
+        return sorted({limit.name: limit for limit in found}.values(), key=lambda limit: limit.name)
 
     # Releasing
 

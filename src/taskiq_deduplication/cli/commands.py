@@ -1,4 +1,4 @@
-"""``taskiq dedup``: list, inspect and release the locks in Redis, and find a call's key.
+"""``taskiq dedup``: list, inspect and release the locks in Redis, find a call's key, see limits.
 
 A plugin of taskiq's command line, registered in the ``taskiq_cli`` entry-point
 group as ``taskiq worker`` and ``taskiq scheduler`` are::
@@ -8,6 +8,7 @@ group as ``taskiq worker`` and ``taskiq scheduler`` are::
     taskiq dedup release [KEY ...] [--match GLOB] [--yes] [--app ... | --prefix P] [--url URL]
     taskiq dedup key MODULE:BROKER TASK_NAME [--args JSON] [--kwargs JSON] [--labels JSON]
     taskiq dedup key --app MODULE:BROKER TASK_NAME [...]
+    taskiq dedup limits [--app MODULE:BROKER | --prefix P] [--url URL] [--match GLOB] [--json]
     taskiq dedup web [--app MODULE:BROKER | --url URL [--prefix P]] [--host H] [--port N] [...]
 
 ``--app`` imports the application's broker as ``taskiq worker`` does (from the
@@ -140,7 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> _Parser:
     parser = _Parser(
         prog=_PROG,
-        description="List, inspect and release the locks of RedisDeduplicationMiddleware.",
+        description="List, inspect and release the locks of RedisDeduplicationMiddleware, "
+        "and see the limits of runs.",
         epilog=(
             "exit status: 0 done, 1 not found (no such lock, or nothing released), "
             "2 bad usage, 3 Redis (or anything else) failed"
@@ -206,6 +208,18 @@ def _parser() -> _Parser:
     key.add_argument("--url", help="Redis URL to look in (default: the middleware's own)")
     key.set_defaults(run=_key)
 
+    limits = commands.add_parser(
+        "limits",
+        parents=[redis, output],
+        help="every limit of runs: in use, limit, rate, waiting",
+        description="Every limit of runs (limit_concurrency, limit_rate) under the prefix, "
+        "sorted by name: the runs that hold a slot, of how many; the rate; the runs that wait.",
+    )
+    limits.add_argument(
+        "--match", default="*", metavar="GLOB", help="a glob over limit names (fnmatch's)"
+    )
+    limits.set_defaults(run=_limits)
+
     web = commands.add_parser(
         "web",
         parents=[redis],
@@ -230,7 +244,7 @@ def _parser() -> _Parser:
         help="the path a proxy serves the page under (/ops/locks), for its links",
     )
     web.set_defaults(run=_web)
-    for sub in (parser, listing, show, release, key, web):
+    for sub in (parser, listing, show, release, key, limits, web):
         sub.formatter_class = argparse.RawDescriptionHelpFormatter
     return parser
 
@@ -400,6 +414,19 @@ async def _key(args: argparse.Namespace) -> int:
         else:
             print(f"held    yes, by task {lock.holder_task_id}, {text.time_left(lock)}")
     return ExitCode.OK if lock is not None else ExitCode.NOT_FOUND
+
+
+async def _limits(args: argparse.Namespace) -> int:
+    async with _opened(args, _where(args)) as locks:
+        found = await locks.limits(args.match)
+    if args.json:
+        _print_json([text.limit_as_dict(limit) for limit in found])
+    else:
+        text.print_limits(found)
+        count = len(found)
+        matching = "" if args.match == "*" else f" matching {args.match}"
+        print(f"{count} limit{'' if count == 1 else 's'} under {locks.prefix}{matching}")
+    return ExitCode.OK
 
 
 async def _web(args: argparse.Namespace) -> int:

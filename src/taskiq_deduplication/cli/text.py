@@ -2,17 +2,19 @@
 
 A lock's record (its task name, policy, age, and whether a broker accepted its
 send) is shown where the lock has one; a lock taken by an older version, which
-has none, prints as it always did.
+has none, prints as it always did. A limit of runs prints as a row of the table
+of ``limits``, or as a JSON object of `LimitInfo`'s fields.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from taskiq_deduplication.locks import LockInfo
+    from taskiq_deduplication.locks import LimitInfo, LockInfo
 
 
 def print_table(locks: Sequence[LockInfo], file: Any = None) -> None:  # noqa: ANN401 (a text stream)
@@ -32,6 +34,11 @@ def print_table(locks: Sequence[LockInfo], file: Any = None) -> None:  # noqa: A
         )
         for lock in locks
     ]
+    _print_rows(rows, file)
+
+
+def _print_rows(rows: Sequence[tuple[str, ...]], file: Any) -> None:  # noqa: ANN401 (a text stream)
+    """Print ``rows`` in columns as wide as their widest cell (the last one as it is)."""
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]) - 1)]
     for row in rows:
         cells = [f"{cell:<{width}}" for cell, width in zip(row, widths, strict=False)]
@@ -102,3 +109,23 @@ def as_dict(lock: LockInfo) -> dict[str, Any]:
             "sent": lock.sent,
         }
     return shown
+
+
+def print_limits(limits: Sequence[LimitInfo], file: Any = None) -> None:  # noqa: ANN401 (a text stream)
+    """Print ``limits`` as the table of ``taskiq dedup limits`` (nothing for none)."""
+    if not limits:
+        return
+    rows = [("LIMIT", "IN USE", "RATE", "WAITING")] + [
+        (limit.name, in_use(limit), limit.rate or "-", str(limit.waiting)) for limit in limits
+    ]
+    _print_rows(rows, file)
+
+
+def in_use(limit: LimitInfo) -> str:
+    """The runs that hold a slot of ``limit``, of how many: ``"2/5"``; ``"-"`` without one."""
+    return "-" if limit.concurrency is None else f"{limit.in_use}/{limit.concurrency}"
+
+
+def limit_as_dict(limit: LimitInfo) -> dict[str, Any]:
+    """The limit as the JSON output shows it: `LimitInfo`'s fields."""
+    return dataclasses.asdict(limit)

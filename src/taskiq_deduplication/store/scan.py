@@ -4,7 +4,9 @@ The mechanics under [Locks][taskiq_deduplication.Locks]. Keys are found with
 ``SCAN`` (never ``KEYS``), on every primary of a cluster, and each batch is read
 in one pipelined round trip (``GET`` and ``PTTL`` per key). A release is
 owner-checked, as the middleware's own is; what belongs to the lock (the
-arguments merged into its queued task) goes in the same step.
+arguments merged into its queued task) goes in the same step. The limits
+(``limit_concurrency``, ``limit_rate``) are found and read the same way, by
+their records, with plain reads only: nothing here runs ``limit.lua``.
 
 And a tool's user names a task as they know it: by the name taskiq gave it
 (``module:function``), or by its function's name alone.
@@ -13,9 +15,10 @@ And a tool's user names a task as they know it: by the name taskiq gave it
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import re
 import time
-from typing import TYPE_CHECKING, Any, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
 
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
@@ -23,9 +26,10 @@ from redis.exceptions import NoPermissionError
 
 from taskiq_deduplication.exceptions import InvalidArgumentError, InvalidSettingError
 from taskiq_deduplication.model.formats import belonging_keys
+from taskiq_deduplication.model.limits import LimitKeys, limit_keys, limit_name
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Sequence
+    from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
     from redis.asyncio import Redis
     from taskiq import AsyncBroker, AsyncTaskiqDecoratedTask
@@ -51,21 +55,46 @@ class Read(NamedTuple):
     it, else this machine's (a cluster, or a Redis user without ``TIME``)."""
 
 
-async def lock_batches(client: RedisClient, pattern: str, count: int) -> AsyncIterator[list[Read]]:
-    """The locks whose keys match ``pattern``, a batch at a time, from every primary.
+ReadT = TypeVar("ReadT")
 
-    On a cluster the primaries are scanned at once; a key may be missed or
-    seen twice only if the cluster reshards meanwhile, as ``SCAN`` promises.
+
+class LimitRead(NamedTuple):
+    """A limit as it was read by its record: who holds its slots, and how many wait, now."""
+
+    name: str
+    keys: LimitKeys
+    concurrency: int
+    """Its ``limit_concurrency``; 0 for none."""
+    rate: str
+    """Its ``limit_rate`` as the label spelt it; ``""`` for none."""
+    holders: list[str]
+    """The task ids of the runs that hold a slot and whose lease has not lapsed."""
+    waiting: int
+    """The runs that wait in line for a slot and whose lease has not lapsed."""
+
+
+async def batches(
+    client: RedisClient,
+    pattern: str,
+    count: int,
+    read: Callable[[RedisClient, Sequence[str]], Awaitable[list[ReadT]]],
+) -> AsyncIterator[list[ReadT]]:
+    """What ``read`` makes of the keys that match ``pattern``, a batch at a time.
+
+    ``read`` is `read_locks` or `read_limits`, given each batch of keys that one
+    ``SCAN`` call found. On a cluster every primary is scanned, all at once; a
+    key may be missed or seen twice only if the cluster reshards meanwhile, as
+    ``SCAN`` promises.
     """
     if not isinstance(client, RedisCluster):
         async for keys in scan(client, pattern, count):
-            yield await read_locks(client, keys)
+            yield await read(client, keys)
         return
-    queue: asyncio.Queue[list[Read] | BaseException | None] = asyncio.Queue(maxsize=4)
+    queue: asyncio.Queue[list[ReadT] | BaseException | None] = asyncio.Queue(maxsize=4)
 
     async def scan_node(node: ClusterNode) -> None:
         async for keys in scan(client, pattern, count, node):
-            await queue.put(await read_locks(client, keys))
+            await queue.put(await read(client, keys))
 
     async def scan_all() -> None:
         try:
@@ -179,6 +208,80 @@ async def read_locks(client: RedisClient, keys: Sequence[str]) -> list[Read]:
             readable = not isinstance(ttl, NoPermissionError)
             found.append(Read(key, text(value), ttl if readable else None, now_ms))
     return found
+
+
+async def read_limits(
+    client: RedisClient, records: Sequence[str], prefix: str, match: str = "*"
+) -> list[LimitRead]:
+    """Read the limits whose records are ``records``, if their names match ``match``.
+
+    One round trip for the server's time (the clock the leases are set by) and
+    one for the limits, per batch. A holder or a waiter whose lease lapsed (its
+    worker died; the limit's script deletes it at its next call) is not
+    counted. A key that is no limit's record, and a limit gone since the scan,
+    are left out.
+
+    Args:
+        client: The Redis client.
+        records: Keys found with ``limit_pattern(prefix)``.
+        prefix: The key prefix they are under.
+        match: A glob over the limits' names, in Python's ``fnmatch`` syntax.
+
+    Raises:
+        redis.exceptions.NoPermissionError: The Redis user may not read a limit's keys.
+    """
+    named = [
+        (name, limit_keys(prefix, name))
+        for record in records
+        if (name := limit_name(prefix, record)) is not None and fnmatch.fnmatchcase(name, match)
+    ]
+    found: list[LimitRead] = []
+    for start in range(0, len(named), _BATCH):
+        batch = named[start : start + _BATCH]
+        after = f"({await _now_us(client, batch[0][1].holders)}"  # a lease that ends now lapsed
+        pipe: Any = client.pipeline(transaction=False)
+        for _, keys in batch:
+            pipe.hmget(raw(keys.meta), ["n", "rate"])
+            pipe.zrangebyscore(raw(keys.holders), after, "+inf")
+            pipe.zcount(raw(keys.leases), after, "+inf")
+        replies: list[Any] = await pipe.execute(raise_on_error=False)
+        for index, (name, keys) in enumerate(batch):
+            answers = replies[3 * index : 3 * index + 3]
+            for answer in answers:
+                if isinstance(answer, NoPermissionError):
+                    raise answer
+            record, holders, waiting = answers
+            if any(isinstance(answer, BaseException) for answer in answers) or record[0] is None:
+                continue  # gone since the scan, or not a limit's keys
+            concurrency, rate = (text(value or b"") for value in record)
+            found.append(
+                LimitRead(
+                    name,
+                    keys,
+                    int(concurrency) if concurrency.isdigit() else 0,
+                    rate,
+                    [text(holder) for holder in holders],
+                    int(waiting),
+                )
+            )
+    return found
+
+
+async def _now_us(client: RedisClient, key: str) -> int:
+    """The time of the server that holds ``key``, in microseconds; else this machine's.
+
+    The leases of a limit are set by its server's clock (``TIME`` in its
+    script). This machine's stands in where the Redis user may not run ``TIME``.
+    """
+    try:
+        if isinstance(client, RedisCluster):
+            reply: Any = await client.time(target_nodes=client.get_node_from_key(key))
+        else:
+            reply = await client.time()
+    except NoPermissionError:
+        return time.time_ns() // 1000
+    seconds, micros = reply
+    return int(seconds) * 1_000_000 + int(micros)
 
 
 async def release(client: RedisClient, locks: Sequence[tuple[str, str]]) -> list[bool]:

@@ -1,4 +1,4 @@
-"""The locks in a browser: an ASGI app that lists, shows and releases them.
+"""The locks in a browser: an ASGI app that lists, shows and releases them, and shows limits.
 
 Mount it under any path of a FastAPI or Starlette app, or serve it alone with
 ``taskiq dedup web``::
@@ -9,8 +9,9 @@ Mount it under any path of a FastAPI or Starlette app, or serve it alone with
 
 It pages through the locks with ``SCAN`` (on a single server, Sentinel's
 primary or every primary of a cluster), shows one lock, computes the key a call
-would take, and releases locks (owner-checked, after a confirmation) when it is
-built with ``allow_release=True``. ``/api/...`` answers the same in JSON. It
+would take, lists the limits of runs with their use, and releases locks
+(owner-checked, after a confirmation) when it is built with
+``allow_release=True``. ``/api/...`` answers the same in JSON. It
 shows what a lock records, never a task's arguments; its assets ship in the
 package. Needs the extra ``[web]`` (Starlette; uvicorn for ``taskiq dedup web``).
 
@@ -174,9 +175,11 @@ def locks_app(
             Route("/lock", site.lock_page, name="lock"),
             Route("/key", site.key_page, methods=["GET", "POST"], name="key"),
             Route("/release", site.release_page, methods=["GET", "POST"], name="release"),
+            Route("/limits", site.limits_page, name="limits"),
             Route("/api/locks", site.api_locks),
             Route("/api/lock", site.api_lock),
             Route("/api/key", site.api_key, methods=["POST"]),
+            Route("/api/limits", site.api_limits),
             Mount("/assets", StaticFiles(directory=_ASSETS), name="assets"),
         ],
         lifespan=lifespan,
@@ -291,6 +294,13 @@ class _Site:
 
         return await self._html(request, "release", page)
 
+    async def limits_page(self, request: Request) -> Response:
+        async def page(view: pages.View) -> str:
+            match = request.query_params.get("match") or "*"
+            return pages.limits_page(view, match, await self._locks.limits(match))
+
+        return await self._html(request, "view", page)
+
     # The JSON view
 
     async def api_locks(self, request: Request) -> Response:
@@ -334,6 +344,14 @@ class _Site:
                     raise _RefusedError(400, f"{field}: expected a JSON {_kind_name(kind)}")
             name, key, lock = await self._key_of(name, call)
             return {"task_name": name, "key": key, "lock": lock and _as_json(lock)}
+
+        return await self._json(request, answer)
+
+    async def api_limits(self, request: Request) -> Response:
+        async def answer() -> object:
+            found = await self._locks.limits(request.query_params.get("match") or "*")
+            limits = [dataclasses.asdict(limit) for limit in found]
+            return {"prefix": self._locks.prefix, "limits": limits}
 
         return await self._json(request, answer)
 

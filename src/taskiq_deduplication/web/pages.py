@@ -20,7 +20,7 @@ from urllib.parse import quote, unquote, urlencode
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
-    from taskiq_deduplication.locks import LockInfo
+    from taskiq_deduplication.locks import LimitInfo, LockInfo
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,8 @@ def _page(view: View, title: str, body: str) -> str:
 <header>
 <a class="home" href="{_q(view, "/")}">Deduplication locks</a>
 <span class="prefix">prefix <code>{_e(view.prefix)}</code></span>
-<nav><a href="{_q(view, "/")}">Locks</a> <a href="{_q(view, "/key")}">Which key?</a></nav>
+<nav><a href="{_q(view, "/")}">Locks</a> <a href="{_q(view, "/limits")}">Limits</a>
+<a href="{_q(view, "/key")}">Which key?</a></nav>
 </header>
 <main>
 <h1>{_e(title)}</h1>
@@ -309,6 +310,47 @@ def released_page(view: View, outcome: Iterable[tuple[str, bool]]) -> str:
         "Released",
         f'<ul class="released">{items}</ul><p><a href="{_q(view, "/")}">Back to the locks</a></p>',
     )
+
+
+# Limits
+
+
+def limits_page(view: View, match: str, limits: Sequence[LimitInfo]) -> str:
+    """The limits of runs whose names match ``match``: their use, limit, rate and waiting runs."""
+    form = f"""<form class="filter" method="get" action="{_q(view, "/limits")}">
+<label>Name <input name="match" value="{_e(match)}" placeholder="*"
+ title="A glob over the limit's name: its limit_key or task name (:digest with key fields)"></label>
+<button type="submit">Filter</button>
+</form>"""
+    if not limits:
+        table = '<p class="empty">No limit matches: none is in use, or was used lately.</p>'
+    else:
+        heads = ("Limit", "In use", "Rate", "Waiting", "Holder task ids")
+        table = (
+            '<table class="locks limits"><thead><tr>'
+            + "".join(f"<th>{head}</th>" for head in heads)
+            + "</tr></thead><tbody>"
+            + "\n".join(_limit_row(limit) for limit in limits)
+            + "</tbody></table>"
+        )
+    count = len(limits)
+    note = (
+        f'<p class="pager">{count} limit{"" if count == 1 else "s"}. A limit is kept while it '
+        "is used and for two leases after; a run whose worker died is not counted once its "
+        "lease lapsed.</p>"
+    )
+    return _page(view, "Limits", f"{form}\n{table}\n{note}")
+
+
+def _limit_row(limit: LimitInfo) -> str:
+    cells = [
+        f"<code>{_e(limit.name)}</code>",
+        "-" if limit.concurrency is None else f"{limit.in_use} of {limit.concurrency}",
+        _e(limit.rate or "-"),
+        str(limit.waiting),
+        " ".join(f"<code>{_e(task_id)}</code>" for task_id in limit.holders) or "-",
+    ]
+    return "<tr>" + "".join(f"<td>{cell}</td>" for cell in cells) + "</tr>"
 
 
 # Keys
