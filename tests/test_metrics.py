@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio
+from taskiq import InMemoryBroker
 
 from taskiq_deduplication import DuplicateTaskError, kiq_or_join
 from tests._brokers import BrokerFactory, HoldingBroker
+from tests._locks import wait_until
 from tests._middlewares import MiddlewareFactory
 from tests._server import free_port
 
@@ -175,4 +177,46 @@ async def test_the_metric_names_are_exactly_these(observed_broker: HoldingBroker
         "taskiq_deduplication_lock_events",
         "taskiq_deduplication_held_locks",
         "taskiq_deduplication_redis_seconds",
+        "taskiq_deduplication_limit_slots",
+        "taskiq_deduplication_limit_waiting",
+        "taskiq_deduplication_limit_wait_seconds",
     }
+
+
+async def test_limits_show_their_slots_waiting_runs_and_waits(
+    metrics_url: str, make_middleware: MiddlewareFactory, taskiq_prometheus: PrometheusMiddleware
+) -> None:
+    broker = InMemoryBroker().with_middlewares(taskiq_prometheus, make_middleware())
+    await broker.startup()
+    release = asyncio.Event()
+
+    @broker.task(task_name="metrics.limited", limit_concurrency=2, deduplication=False)
+    async def limited() -> None:
+        await release.wait()
+
+    slots, waiting = (
+        ("taskiq_deduplication_limit_slots", ()),
+        (
+            "taskiq_deduplication_limit_waiting",
+            (),
+        ),
+    )
+    waits = ("taskiq_deduplication_limit_wait_seconds_count", ())
+    before = await scrape(metrics_url)
+    handles = [await limited.kiq() for _ in range(3)]
+
+    async def two_hold_one_waits() -> bool:
+        now = await scrape(metrics_url)
+        return now[slots] == before[slots] + 2 and now[waiting] == before[waiting] + 1
+
+    await wait_until(two_hold_one_waits)
+    release.set()
+    for handle in handles:
+        assert not (await handle.wait_result(timeout=10)).is_err
+    after = await scrape(metrics_url)
+    assert after[slots] == before[slots]
+    assert after[waiting] == before[waiting]
+    assert after[waits] == before.get(waits, 0) + 1
+    assert lock_events(after, "metrics.limited", "limited") == 1
+    assert lock_events(after, "metrics.limited", "waited") == 1
+    await broker.shutdown()

@@ -209,7 +209,13 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
         self._executions = Executions(f"taskiq_deduplication_execution_{id(self):x}")
         follow_runs(self, self._executions)
         pending = PendingSends()
-        self._limits = Limits(self.key_prefix, self.running_lease, self.limit_waiting, self._events)
+        self._limits = Limits(
+            self.key_prefix,
+            self.running_lease,
+            self.limit_waiting,
+            self._events,
+            lambda: self._metrics,
+        )
         self._runs = Runs(self, self._states, self._events, self._executions, pending, self._limits)
         self._sends = Sends(
             self,

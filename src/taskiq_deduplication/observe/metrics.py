@@ -40,6 +40,8 @@ _LOCK_EVENTS: Final = {
     LockEventKind.LOST: "lost",
     LockEventKind.WAITING: "waiting",
     LockEventKind.SKIPPED: "skipped",
+    LockEventKind.LIMITED: "limited",
+    LockEventKind.WAITED: "waited",
 }
 
 
@@ -51,6 +53,9 @@ class Metrics:
     lock_events: Any
     held_locks: Any
     redis_seconds: Any
+    limit_slots: Any
+    limit_waiting: Any
+    limit_wait_seconds: Any
     _counters: dict[tuple[LockEventKind, str], Any] = field(default_factory=dict, repr=False)
     """The labelled counter of each event kind and task name, looked up once."""
 
@@ -79,6 +84,18 @@ class Metrics:
     def held(self, change: int) -> None:
         """Count ``change`` more (or fewer) locks kept alive by a heartbeat."""
         self.held_locks.inc(change)
+
+    def slots(self, change: int) -> None:
+        """Count ``change`` more (or fewer) slots of limits held by this process's runs."""
+        self.limit_slots.inc(change)
+
+    def waiting(self, change: int) -> None:
+        """Count ``change`` more (or fewer) runs of this process that wait for their limit."""
+        self.limit_waiting.inc(change)
+
+    def waited(self, seconds: float) -> None:
+        """Record how long a run waited for its limit before it started."""
+        self.limit_wait_seconds.observe(seconds)
 
     @property
     def round_trip(self) -> Callable[[float], None]:
@@ -124,6 +141,21 @@ def process_metrics() -> Metrics | None:
                     "taskiq_deduplication_redis_seconds",
                     "Time of each Redis round trip of the lock pipeline (one batch)",
                     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
+                ),
+                limit_slots=prometheus_client.Gauge(
+                    "taskiq_deduplication_limit_slots",
+                    "Slots of limits (limit_concurrency) held by this process's runs",
+                    multiprocess_mode="livesum",
+                ),
+                limit_waiting=prometheus_client.Gauge(
+                    "taskiq_deduplication_limit_waiting",
+                    "Runs of this process that wait for their limit before they start",
+                    multiprocess_mode="livesum",
+                ),
+                limit_wait_seconds=prometheus_client.Histogram(
+                    "taskiq_deduplication_limit_wait_seconds",
+                    "How long each run that waited for its limit waited",
+                    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60, 300, 3600),
                 ),
             )
         except ValueError as exc:  # the names are taken in the default registry

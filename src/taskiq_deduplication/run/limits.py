@@ -37,10 +37,13 @@ from taskiq_deduplication.store.slots import Slot, Taken, Taking, Waits
 from taskiq_deduplication.store.wakes import Wakes
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from taskiq import TaskiqMessage, TaskiqResult
     from taskiq.abc.broker import AsyncBroker
 
     from taskiq_deduplication.observe.events import EventSink
+    from taskiq_deduplication.observe.metrics import Metrics
     from taskiq_deduplication.run.loops import LoopState
 
 logger = logging.getLogger(__name__)
@@ -83,9 +86,10 @@ class LimitedRun:
 class Room:
     """The limited runs of one event loop: their leases, their waits, their wake-ups."""
 
-    def __init__(self, state: LoopState) -> None:
+    def __init__(self, state: LoopState, metrics: Metrics | None = None) -> None:
         """Keep the limited runs of ``state``'s loop; nothing is sent yet."""
         self._state = state
+        self._metrics = metrics
         self.wakes = Wakes(state.client)
         self.waiting: dict[str, int] = {}
         """Runs of each limit that wait in this loop (for a slot or their start)."""
@@ -106,9 +110,13 @@ class Room:
     def wait_more(self, name: str) -> None:
         """One more run of ``name`` waits in this loop."""
         self.waiting[name] = self.waiting.get(name, 0) + 1
+        if self._metrics is not None:
+            self._metrics.waiting(1)
 
     def wait_less(self, name: str) -> None:
         """One run of ``name`` waits no more: a run paused for a place may take it."""
+        if self._metrics is not None:
+            self._metrics.waiting(-1)
         left = self.waiting.get(name, 0) - 1
         if left > 0:
             self.waiting[name] = left
@@ -145,6 +153,12 @@ class Room:
             if not paused:
                 self._paused.pop(name, None)
         return self.waiting.get(name, 0) < most
+
+    def hold(self, run: LimitedRun, *, holds: bool) -> None:
+        """Note that ``run`` holds its slot now, or no longer."""
+        if run.holds != holds and run.rule.concurrency and self._metrics is not None:
+            self._metrics.slots(1 if holds else -1)
+        run.holds = holds
 
     def add(self, run: LimitedRun) -> None:
         """Keep ``run``'s place alive until `discard`."""
@@ -192,6 +206,7 @@ class Room:
     def _lose(self, run: LimitedRun) -> None:
         if run.holds:
             run.lost = True
+            self.hold(run, holds=False)
             logger.warning(
                 "Task %s (%s) lost its slot of limit %r: its lease lapsed (Redis was out "
                 "of reach); it is no longer counted against the limit",
@@ -206,9 +221,20 @@ class Room:
 class Limits:
     """The limits of one middleware's runs: a slot at the start, freed at the end."""
 
-    def __init__(self, prefix: str, lease: int | None, waiting: int, events: EventSink) -> None:
-        """Limit runs under ``prefix``; ``waiting`` runs of one limit may wait per loop."""
+    def __init__(
+        self,
+        prefix: str,
+        lease: int | None,
+        waiting: int,
+        events: EventSink,
+        metrics: Callable[[], Metrics | None] = lambda: None,
+    ) -> None:
+        """Limit runs under ``prefix``; ``waiting`` runs of one limit may wait per loop.
+
+        What happens goes to ``events`` and, once ``metrics`` gives metrics, to them.
+        """
         self._prefix = prefix
+        self._metrics = metrics
         self._lease_ms = (lease or DEFAULT_LEASE) * 1000
         self._waiting = waiting
         self._events = events
@@ -237,7 +263,7 @@ class Limits:
         """The limited runs of ``state``'s loop."""
         room = self._rooms.get(state)
         if room is None:
-            room = self._rooms[state] = Room(state)
+            room = self._rooms[state] = Room(state, self._metrics())
             state.on_close.append(self._closer(state))
         return room
 
@@ -321,7 +347,7 @@ class Limits:
                     continue  # its place lapsed, or the broker refused it: a new place
             else:
                 delay = taken.delay
-            run.holds = True
+            room.hold(run, holds=True)
             if delay > 0:  # its start in the rate is still to come
                 waited = True
                 await self._until_start(room, run, delay)
@@ -437,8 +463,10 @@ class Limits:
         if run.taking is not None:
             self.put_back(run)
         elif run.holds and not run.lost:
-            run.holds = False
             run.state.locks.slots.free(run.slot)
+        if room is not None:
+            room.hold(run, holds=False)
+        run.holds = False
 
     async def _requeue(self, run: LimitedRun, message: TaskiqMessage, broker: AsyncBroker) -> bool:
         """Send ``message`` back to the broker, unchanged; this delivery ends without its body.
@@ -472,6 +500,9 @@ class Limits:
         self, kind: LockEventKind, run: LimitedRun, message: TaskiqMessage, waited: float | None
     ) -> None:
         if kind is LockEventKind.WAITED:
+            metrics = self._metrics()
+            if metrics is not None and waited is not None:
+                metrics.waited(waited)
             logger.debug(
                 "Task %s (%s) waited %.3fs for limit %r",
                 message.task_name,
