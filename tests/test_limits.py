@@ -14,9 +14,9 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from taskiq import InMemoryBroker
+from taskiq import InMemoryBroker, TaskiqDepends
 
-from taskiq_deduplication import DuplicateTaskError, LockEvent, LockEventKind
+from taskiq_deduplication import DuplicateTaskError, LockEvent, LockEventKind, TaskLock
 from taskiq_deduplication.middleware import loop_states
 from taskiq_deduplication.model.limits import limit_keys
 from taskiq_deduplication.store.slots import Slot, Taken
@@ -362,3 +362,27 @@ async def test_a_unique_limit_key_is_cleaned_away_after_its_lease(
     meta = limit_keys(prefix, name).meta
     ttl = await redis_client.pttl(meta)
     assert 0 < ttl <= 3000
+
+
+async def test_a_run_whose_slot_lapsed_is_fenced(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    broker = await make_broker()
+    seen: list[bool] = []
+    running, go_on = asyncio.Event(), asyncio.Event()
+
+    @broker.task(limit_concurrency=1, deduplication=False)
+    async def fenced(lock: TaskLock = TaskiqDepends()) -> None:
+        seen.append(await lock.held())
+        running.set()
+        await go_on.wait()
+        seen.append(await lock.held())
+
+    handle = await fenced.kiq()
+    await asyncio.wait_for(running.wait(), timeout=10)
+    # Its worker was cut off past the lease: Redis holds its slot as lapsed.
+    holders = limit_keys(prefix, fenced.task_name).holders
+    await redis_client.zadd(holders, {handle.task_id: 1})
+    go_on.set()
+    await results([handle])
+    assert seen == [True, False]

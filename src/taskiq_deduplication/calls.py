@@ -18,6 +18,7 @@ from taskiq.kicker import AsyncKicker
 
 from taskiq_deduplication.exceptions import DuplicateTaskError, NoLockError
 from taskiq_deduplication.run.execution import run_of
+from taskiq_deduplication.run.limits import Limits, limited_run_of
 from taskiq_deduplication.store.call import RedisFailed
 
 if TYPE_CHECKING:
@@ -161,6 +162,7 @@ class TaskLock:
         """Find the lock of the run ``context`` belongs to; taskiq calls this."""
         self._task_name = context.message.task_name
         self._execution = _execution_of(context)
+        self._limited = limited_run_of(context.broker, context.message.task_id)
         self.locked = self._execution is not None and self._execution.has_lock
 
     @property
@@ -197,19 +199,30 @@ class TaskLock:
         return fence
 
     async def held(self) -> bool:
-        """Whether the lock is still this run's: one round trip to Redis.
+        """Whether the lock is still this run's, and its limit's slot: a round trip to Redis each.
 
-        ``False`` when it expired, was taken over, was released (as
+        ``False`` when the lock expired, was taken over, was released (as
         ``deduplication_until="started"`` does at the start), or the run has no
-        lock.
+        lock; and for a run with a ``limit_concurrency`` when its slot lapsed
+        (its worker was cut off from Redis past the slot's lease: another run
+        may hold the slot now) or it runs without one. A task with a limit
+        and no lock (``deduplication=False``) asks its slot alone.
         """
-        execution = self._execution
-        if execution is None:
+        execution, limited = self._execution, self._limited
+        if execution is None and (limited is None or not limited.rule.concurrency):
             return False
-        held = await execution.state.locks.held(execution.holds)
-        if isinstance(held, RedisFailed):
-            held.raise_error()
-        return held
+        if execution is not None:
+            held = await execution.state.locks.held(execution.holds)
+            if isinstance(held, RedisFailed):
+                held.raise_error()
+            if not held:
+                return False
+        if limited is not None and limited.rule.concurrency:
+            slot = await Limits.held(limited)
+            if isinstance(slot, RedisFailed):
+                slot.raise_error()
+            return slot
+        return True
 
     def _run(self) -> Execution:
         if self._execution is None:

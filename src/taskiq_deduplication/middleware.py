@@ -26,7 +26,7 @@ from taskiq_deduplication.observe.events import EventSink, Subscriber
 from taskiq_deduplication.observe.metrics import Metrics, process_metrics
 from taskiq_deduplication.run.copies import watch_deliveries
 from taskiq_deduplication.run.execution import Executions, follow_runs
-from taskiq_deduplication.run.limits import DEFAULT_WAITING, Limits
+from taskiq_deduplication.run.limits import DEFAULT_WAITING, Limits, follow_limits
 from taskiq_deduplication.run.loops import LoopStates
 from taskiq_deduplication.run.runs import Runs
 from taskiq_deduplication.send.pending import PendingSends
@@ -216,6 +216,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             self._events,
             lambda: self._metrics,
         )
+        follow_limits(self, self._limits)
         self._runs = Runs(self, self._states, self._events, self._executions, pending, self._limits)
         self._sends = Sends(
             self,

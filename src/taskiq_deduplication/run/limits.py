@@ -23,6 +23,7 @@ import enum
 import functools
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -216,6 +217,24 @@ class Room:
             )
         # A waiter whose place lapsed takes a new one.
         self.wakes.wake(run.slot.keys.holders, run.slot.member, -1.0)
+
+
+_FOLLOWED: weakref.WeakKeyDictionary[object, Limits] = weakref.WeakKeyDictionary()
+
+
+def follow_limits(middleware: object, limits: Limits) -> None:
+    """Let the tasks of ``middleware``'s broker find their places in ``limits`` (`TaskLock`)."""
+    _FOLLOWED[middleware] = limits
+
+
+def limited_run_of(broker: AsyncBroker, task_id: str) -> LimitedRun | None:
+    """The limited run of ``task_id`` in this asyncio task, among ``broker``'s middlewares'."""
+    for middleware in broker.middlewares:
+        limits = _FOLLOWED.get(middleware)
+        run = limits.current(task_id) if limits is not None else None
+        if run is not None:
+            return run
+    return None
 
 
 class Limits:
@@ -455,6 +474,14 @@ class Limits:
     def current(self, task_id: str) -> LimitedRun | None:
         """The limited run of ``task_id`` in this asyncio task, if any (for `TaskLock`)."""
         return self._runs.get((task_id, asyncio.current_task()))
+
+    @staticmethod
+    async def held(run: LimitedRun) -> bool | RedisFailed:
+        """Whether ``run`` still holds its slot (one round trip, which refreshes it)."""
+        if not run.holds or run.lost:
+            return False
+        kept = await run.state.locks.slots.keep([run.slot])
+        return kept if isinstance(kept, RedisFailed) else kept[0].held
 
     def _release(self, run: LimitedRun) -> None:
         room = self._rooms.get(run.state)
