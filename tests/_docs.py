@@ -28,7 +28,11 @@ class DocumentedAcl:
         """The rules for a user of ``key_prefix`` and ``password``, with only ``commands``."""
         kept = self.commands if commands is None else commands
         return [
-            *(r for r in self.other_rules if not r.startswith(">")),
+            *(
+                r.replace(DOCUMENTED_PREFIX, key_prefix, 1)  # a channel pattern ("&...")
+                for r in self.other_rules
+                if not r.startswith(">")
+            ),
             f">{password}",
             *(p.replace(DOCUMENTED_PREFIX, key_prefix, 1) for p in self.key_patterns),
             *(f"+{c}" for c in kept),

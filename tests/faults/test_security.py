@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import redis.exceptions
-from taskiq import SimpleRetryMiddleware, TaskiqDepends
+from taskiq import InMemoryBroker, SimpleRetryMiddleware, TaskiqDepends
 
 import taskiq_deduplication
 from taskiq_deduplication import DuplicateTaskError, TaskLock
@@ -224,6 +224,31 @@ async def test_the_documented_user_can_use_every_feature(
     with admin(server.port) as client:  # no lock and no merged arguments are left
         left = [k for k in client.scan_iter() if k.startswith((f"{prefix}:", f"{prefix}#merge"))]
         assert left == []
+
+
+async def test_the_documented_user_runs_limited_tasks_and_hands_their_slots_on(
+    server: Server, prefix: str, logs: LogRecords
+) -> None:
+    _set_user(server, minimal_acl(prefix))
+    middleware = taskiq_deduplication.RedisDeduplicationMiddleware(
+        _acl_url(server.port), key_prefix=prefix, running_ttl=600
+    )
+    broker = InMemoryBroker().with_middlewares(middleware)
+    await broker.startup()
+    ran: list[int] = []
+
+    # A lease of 10 minutes: the second run can only start by the channel's wake-up.
+    @broker.task(limit_concurrency=1, limit_rate="100/s")
+    async def limited(x: int) -> None:
+        await asyncio.sleep(0.05)
+        ran.append(x)
+
+    handles = [await limited.kiq(x) for x in range(2)]
+    for handle in handles:
+        assert not (await handle.wait_result(timeout=20)).is_err
+    assert ran == [0, 1]
+    assert logs.warnings("Could not") == []
+    await broker.shutdown()
 
 
 def test_the_documented_user_may_run_every_command_the_scripts_call() -> None:
