@@ -456,6 +456,8 @@ class Limits:
 
     def end(self, message: TaskiqMessage, result: TaskiqResult[Any] | None) -> LimitedRun | None:
         """Free the slot of ``message``'s run (its end, whatever it was); the run, if limited."""
+        if not self._runs:  # most processes: no limited run
+            return None
         run = self._runs.pop((message.task_id, asyncio.current_task()), None)
         if run is None:
             return None
