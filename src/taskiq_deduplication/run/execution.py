@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 
     from taskiq_deduplication.model.policies import Policy
     from taskiq_deduplication.run.heartbeat import Beat
-    from taskiq_deduplication.run.limits import LimitedRun
     from taskiq_deduplication.run.loops import LoopState
     from taskiq_deduplication.store.lock_store import Done, Lock
 
@@ -81,8 +80,9 @@ class Execution:
     (the attempt's retry will store one, or the copy stored one itself)."""
     ended: bool = False
     resent: Resent | None = None
-    limited: LimitedRun | None = None
-    """The run's place in its limit (``limit_concurrency``, ``limit_rate``), if it has one."""
+    sent_back: bool = False
+    """Whether its limit sent the run's message back to the broker: a later
+    delivery carries the run on, with its lock."""
     handed_to: Lock | None = None
     """The run slot beside the lock as this run handed it to its retry, until
     the broker took the retry (a refused retry gives it up)."""
@@ -114,8 +114,8 @@ class Execution:
         ``NoResultError`` only once that send went through. A retry sent
         through the middleware is no such hand-over: it took care of the lock.
         """
-        if self.limited is not None and self.limited.requeued:
-            return True  # its limit sent the message back to the broker
+        if self.sent_back:
+            return True
         return (
             self.resent is None
             and isinstance(result.error, NoResultError)

@@ -120,7 +120,6 @@ class Runs:
         if recorded is None or (limited is not None and limited.requeued):
             return message
         execution = self._execution(message, recorded, state)
-        execution.limited = limited
         self._executions.begin(execution)
         if limited is not None and not await self._limit_first(execution, limited, message):
             return message
@@ -141,6 +140,7 @@ class Runs:
             # The heartbeat keeps the lock while the run waits for its limit.
             await self._limits.enter(limited, message, self._options.broker)
             if limited.requeued:
+                execution.sent_back = True
                 execution.stop_heartbeat()
         return message
 
@@ -157,6 +157,7 @@ class Runs:
             return True
         if execution.policy.at_start is Step.RELEASE:
             await self._limits.enter(limited, message, self._options.broker)
+            execution.sent_back = limited.requeued
             return not limited.requeued
         self._limits.take_soon(limited)
         return True
@@ -342,7 +343,7 @@ class Runs:
             if not claimed.wait_ms:
                 break
             # A run that waits (a copy for its run, a debounce) holds no slot.
-            self._limits.put_back(execution.limited)
+            self._limits.put_back(self._limits.current(execution.lock.task_id))
             if claimed.waiting_for is None:  # a debounce: the lock was kept for one lease
                 await asyncio.sleep(min(claimed.wait_ms, lease.ttl_ms // 3) / 1000)
                 continue
