@@ -14,19 +14,19 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 import pytest
+import redis.asyncio
 from taskiq import InMemoryBroker, TaskiqDepends
 
 from taskiq_deduplication import DuplicateTaskError, LockEvent, LockEventKind, TaskLock
 from taskiq_deduplication.middleware import loop_states
 from taskiq_deduplication.model.limits import limit_keys
 from taskiq_deduplication.store.slots import Slot, Taken
+from taskiq_deduplication.store.wakes import Wakes
 from tests._brokers import HoldingBroker
 from tests._locks import wait_until
 from tests._topologies import all_topologies
 
 if TYPE_CHECKING:
-    import redis.asyncio
-
     from tests._brokers import BrokerFactory
     from tests._middlewares import MiddlewareFactory
 
@@ -386,3 +386,30 @@ async def test_a_run_whose_slot_lapsed_is_fenced(
     go_on.set()
     await results([handle])
     assert seen == [True, False]
+
+
+async def test_a_slot_handed_over_before_its_run_watches_is_not_lost(
+    redis_client: redis.asyncio.Redis, redis_url: str, prefix: str
+) -> None:
+    # The take's reply says "wait"; before the run comes to watch, the slot is
+    # handed to it on a channel this loop listens to already (another run of
+    # the limit waits here). The hand-over must wait for it, not be dropped.
+    client = redis.asyncio.Redis.from_url(redis_url)
+    wakes = Wakes(client)
+    channel = limit_keys(prefix, "early").holders
+    try:
+        other, fresh = await wakes.watch(channel, "~other other-task")
+        assert fresh
+        await redis_client.publish(channel, "~late late-task 1500")
+        await wait_until(lambda: _heard(wakes))
+        late, fresh = await wakes.watch(channel, "~late late-task")
+        assert not fresh
+        assert await asyncio.wait_for(late, timeout=1) == 0.0015
+        assert not other.done()
+    finally:
+        await wakes.close()
+        await client.aclose()
+
+
+async def _heard(wakes: Wakes) -> bool:
+    return bool(wakes._early)

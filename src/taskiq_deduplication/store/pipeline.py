@@ -182,7 +182,7 @@ class Pipeline:
         self._admit(
             Call(script, encoded_keys, encoded_args, future, loop.time() + self.timeout), loop
         )
-        loop.call_soon(self._send_backlog)
+        loop.call_soon(self._send_soon)
         return future
 
     async def call_many(self, calls: Sequence[ScriptCall]) -> list[Any]:
@@ -222,7 +222,7 @@ class Pipeline:
             self._queue.append(
                 Call(script, *encoded, None, loop.time() + self._detached_timeout, what)
             )
-            loop.call_soon(self._send_backlog)
+            loop.call_soon(self._send_soon)
 
     async def send_ahead(
         self, script: AsyncScript, keys: Sequence[str], args: Sequence[str | int], what: str
@@ -359,6 +359,15 @@ class Pipeline:
                 script.sha = text(sha)
         finally:
             self._busy = False
+            self._send_backlog()
+
+    def _send_soon(self) -> None:
+        """Send what is queued at the end of a turn, unless calls wait for company.
+
+        A call queued beside a call that lingers (a run's free beside its
+        finish, its take beside its claim) goes with that call's batch.
+        """
+        if self._flush is None:
             self._send_backlog()
 
     def _flush_lingering(self) -> None:

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Final
 
 from redis.asyncio import Redis
@@ -37,6 +38,10 @@ _CLIENT_OPTIONS: Final = frozenset(inspect.signature(Redis.__init__).parameters)
     "connection_pool",
     "single_connection_client",
 }
+#: Seconds a hand-over heard for a run not watched yet is kept for it, and how
+#: many are kept at most (those of other processes' runs are heard too).
+_EARLY_KEPT: Final = 5.0
+_EARLY_MOST: Final = 1024
 #: Seconds before the listener tries again after its connection failed.
 _RETRY_AFTER: Final = 0.5
 
@@ -50,6 +55,10 @@ class Wakes:
         self._pubsub: PubSub | None = None
         self._own: Redis | None = None
         self._waiters: dict[str, dict[str, asyncio.Future[float]]] = {}
+        # Hand-overs heard for runs not watched yet: a run learns from its take's
+        # reply that it waits, and the slot may be handed to it before it comes
+        # to watch (a channel this loop listens to already). Kept briefly.
+        self._early: dict[tuple[str, str], tuple[float, float]] = {}
         self._confirmed: dict[str, asyncio.Future[None]] = {}
         self._reader: asyncio.Task[None] | None = None
         # One (un)subscription at a time: redis-py's PubSub connects on the
@@ -70,6 +79,9 @@ class Wakes:
         future: asyncio.Future[float] = loop.create_future()
         members = self._waiters.setdefault(channel, {})
         members[member] = future
+        early = self._early.pop((channel, member), None)
+        if early is not None:
+            future.set_result(early[0])
         confirmed = self._confirmed.get(channel)
         if confirmed is not None:
             await asyncio.shield(confirmed)
@@ -105,11 +117,23 @@ class Wakes:
                     # Sent in the background: a waiter that got its slot does not wait for it.
                     asyncio.get_running_loop().create_task(self._unsubscribe(channel))
 
-    def wake(self, channel: str, member: str, delay: float) -> None:
-        """Wake ``member`` of ``channel`` (a refresh found it holds its slot)."""
+    def wake(self, channel: str, member: str, delay: float, *, heard: bool = False) -> None:
+        """Wake ``member`` of ``channel`` (a refresh found it holds its slot, or it was ``heard``).
+
+        A hand-over heard for a run not watched yet is kept for `_EARLY_KEPT`
+        seconds: the run may be on its way to watch.
+        """
         future = self._waiters.get(channel, {}).get(member)
-        if future is not None and not future.done():
-            future.set_result(delay)
+        if future is not None:
+            if not future.done():
+                future.set_result(delay)
+            return
+        if heard:
+            now = time.monotonic()
+            if len(self._early) >= _EARLY_MOST:
+                self._early = {k: v for k, v in self._early.items() if v[1] > now}
+            if len(self._early) < _EARLY_MOST:
+                self._early[channel, member] = (delay, now + _EARLY_KEPT)
 
     async def close(self) -> None:
         """Stop listening and close the connection."""
@@ -174,7 +198,7 @@ class Wakes:
                     confirmed.set_result(None)
             elif kind == "message":
                 token, task_id, delay = _text(message["data"]).split(" ")
-                self.wake(channel, f"{token} {task_id}", int(delay) / 1e6)
+                self.wake(channel, f"{token} {task_id}", int(delay) / 1e6, heard=True)
 
 
 def _text(value: bytes | str) -> str:
