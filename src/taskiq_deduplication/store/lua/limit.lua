@@ -31,18 +31,19 @@
 local H, TOKENS, WAITING, LEASES, META = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+-- The limit's record, read once: every call below uses it.
+local m = redis.call('HMGET', META, 'n', 'lease', 'interval', 'tolerance', 'tat', 'rate')
+local n, lease = tonumber(m[1] or '0'), tonumber(m[2] or '0')
+local interval, tolerance = tonumber(m[3] or '0'), tonumber(m[4] or '0')
+local tat = tonumber(m[5] or '0')
+local waiting = redis.call('ZCARD', WAITING)
 
 local function int(x)
   return string.format('%d', x)
 end
 
-local function meta_number(field)
-  return tonumber(redis.call('HGET', META, field) or '0')
-end
-
--- The rate's next start: when a start now may come (us), and the new tat.
-local function place(interval, tolerance)
-  local tat = meta_number('tat')
+-- The rate's next start: when a start now may come (us); the rate moves on.
+local function place()
   if tat < now then
     tat = now
   end
@@ -50,33 +51,38 @@ local function place(interval, tolerance)
   if at < now then
     at = now
   end
-  return at, tat + interval
+  tat = tat + interval
+  redis.call('HSET', META, 'tat', int(tat))
+  return at
 end
 
+-- Free the slots and places in line whose lease lapsed (their worker died).
 local function purge()
   local dead = redis.call('ZRANGEBYSCORE', H, '-inf', now)
   for _, task in ipairs(dead) do
     redis.call('ZREM', H, task)
     redis.call('HDEL', TOKENS, task)
   end
-  local gone = redis.call('ZRANGEBYSCORE', LEASES, '-inf', now)
-  for _, member in ipairs(gone) do
-    redis.call('ZREM', LEASES, member)
-    redis.call('ZREM', WAITING, member)
+  if waiting > 0 then
+    local gone = redis.call('ZRANGEBYSCORE', LEASES, '-inf', now)
+    for _, member in ipairs(gone) do
+      redis.call('ZREM', LEASES, member)
+      redis.call('ZREM', WAITING, member)
+    end
+    waiting = waiting - #gone
   end
 end
 
 -- Hand free slots to the first waiters (a copy of a run that still holds a
 -- slot waits on, behind its run).
 local function grant()
-  local n = meta_number('n')
-  local free = n - redis.call('ZCARD', H)
-  if n == 0 or free <= 0 then
+  if waiting <= 0 or n == 0 then
     return
   end
-  local lease = meta_number('lease')
-  local interval = meta_number('interval')
-  local tolerance = meta_number('tolerance')
+  local free = n - redis.call('ZCARD', H)
+  if free <= 0 then
+    return
+  end
   for _, member in ipairs(redis.call('ZRANGE', WAITING, 0, free + 15)) do
     if free <= 0 then
       break
@@ -85,11 +91,10 @@ local function grant()
     if redis.call('HEXISTS', TOKENS, task) == 0 then
       redis.call('ZREM', WAITING, member)
       redis.call('ZREM', LEASES, member)
+      waiting = waiting - 1
       local start = now
       if interval > 0 then
-        local tat
-        start, tat = place(interval, tolerance)
-        redis.call('HSET', META, 'tat', int(tat))
+        start = place()
       end
       redis.call('ZADD', H, int(now + lease), task)
       redis.call('HSET', TOKENS, task, token .. ' ' .. int(start))
@@ -99,12 +104,17 @@ local function grant()
   end
 end
 
+-- Every key lives two leases past its last use, the record as long as the
+-- rate remembers a start too.
 local function keep_alive()
-  local lease = meta_number('lease')
-  local ms = math.ceil(math.max(2 * lease, meta_number('tat') - now) / 1000) + 1000
-  for _, key in ipairs(KEYS) do
-    redis.call('PEXPIRE', key, ms)
+  local ms = math.ceil(2 * lease / 1000) + 1000
+  redis.call('PEXPIRE', H, ms)
+  redis.call('PEXPIRE', TOKENS, ms)
+  if waiting > 0 then
+    redis.call('PEXPIRE', WAITING, ms)
+    redis.call('PEXPIRE', LEASES, ms)
   end
+  redis.call('PEXPIRE', META, math.max(ms, math.ceil((tat - now) / 1000) + 1000))
 end
 
 local function holds(task, token)
@@ -118,11 +128,15 @@ end
 local op = ARGV[1]
 purge()
 if op == 'take' then
-  local task, token, n = ARGV[2], ARGV[3], tonumber(ARGV[4])
-  local lease = tonumber(ARGV[5]) * 1000
-  local interval, tolerance = tonumber(ARGV[6]), tonumber(ARGV[7])
-  redis.call('HSET', META, 'n', ARGV[4], 'lease', int(lease), 'interval', ARGV[6],
-    'tolerance', ARGV[7], 'rate', ARGV[8])
+  local task, token = ARGV[2], ARGV[3]
+  local wanted = {ARGV[4], int(tonumber(ARGV[5]) * 1000), ARGV[6], ARGV[7], ARGV[8]}
+  if m[1] ~= wanted[1] or m[2] ~= wanted[2] or m[3] ~= wanted[3] or m[4] ~= wanted[4]
+      or m[6] ~= wanted[5] then
+    redis.call('HSET', META, 'n', wanted[1], 'lease', wanted[2], 'interval', wanted[3],
+      'tolerance', wanted[4], 'rate', wanted[5])
+  end
+  n, lease = tonumber(wanted[1]), tonumber(wanted[2])
+  interval, tolerance = tonumber(wanted[3]), tonumber(wanted[4])
   local start = holds(task, token)
   if start then
     -- This take ran already (a batch sent again after a lost connection).
@@ -132,17 +146,17 @@ if op == 'take' then
   end
   local member = token .. ' ' .. task
   if n > 0 then
-    local waiting = redis.call('ZCARD', WAITING)
-    if redis.call('ZSCORE', WAITING, member) then
+    if waiting > 0 and redis.call('ZSCORE', WAITING, member) then
       redis.call('ZADD', LEASES, int(now + lease), member)
       keep_alive()
       return {2, redis.call('ZRANK', WAITING, member)}
     end
-    if redis.call('HEXISTS', TOKENS, task) == 1 or waiting > 0
+    if waiting > 0 or redis.call('HEXISTS', TOKENS, task) == 1
         or redis.call('ZCARD', H) >= n then
       local seq = redis.call('HINCRBY', META, 'seq', 1)
       redis.call('ZADD', WAITING, seq, member)
       redis.call('ZADD', LEASES, int(now + lease), member)
+      waiting = waiting + 1
       grant()
       keep_alive()
       if redis.call('ZSCORE', WAITING, member) then
@@ -155,9 +169,7 @@ if op == 'take' then
   end
   start = now
   if interval > 0 then
-    local tat
-    start, tat = place(interval, tolerance)
-    redis.call('HSET', META, 'tat', int(tat))
+    start = place()
   end
   if n > 0 then
     redis.call('ZADD', H, int(now + lease), task)
@@ -172,27 +184,31 @@ elseif op == 'free' then
     redis.call('ZREM', H, task)
     redis.call('HDEL', TOKENS, task)
     found = 1
-  else
+  elseif waiting > 0 then
     local member = token .. ' ' .. task
     found = redis.call('ZREM', WAITING, member)
     redis.call('ZREM', LEASES, member)
+    waiting = waiting - found
   end
   grant()
   keep_alive()
   return found
 end
 -- keep
-local lease = tonumber(ARGV[2]) * 1000
+local ms = tonumber(ARGV[2]) * 1000
+if lease < ms then
+  lease = ms  -- a record lost (evicted) must not cut the keys' lives short
+end
 local replies = {}
 for i = 3, #ARGV, 2 do
   local task, token = ARGV[i], ARGV[i + 1]
   local member = token .. ' ' .. task
   local start = holds(task, token)
   if start then
-    redis.call('ZADD', H, int(now + lease), task)
+    redis.call('ZADD', H, int(now + ms), task)
     replies[#replies + 1] = {1, math.max(start - now, 0)}
-  elseif redis.call('ZSCORE', WAITING, member) then
-    redis.call('ZADD', LEASES, int(now + lease), member)
+  elseif waiting > 0 and redis.call('ZSCORE', WAITING, member) then
+    redis.call('ZADD', LEASES, int(now + ms), member)
     replies[#replies + 1] = {2, 0}
   else
     replies[#replies + 1] = {0, 0}
