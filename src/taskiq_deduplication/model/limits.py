@@ -104,7 +104,20 @@ class LimitRule:
         if self.key_fields is None:
             return base
         present = {f: message.kwargs[f] for f in self.key_fields if f in message.kwargs}
-        return f"{base}{KEY_SEPARATOR}{fields_fingerprint(base, present)[:22]}"
+        if all(type(value) in _PLAIN for value in present.values()):
+            return _fields_name(base, tuple(present.items()))
+        return _fields_name.__wrapped__(base, tuple(present.items()))
+
+
+#: The types of argument values whose limit names are remembered: values equal
+#: to each other only when they fingerprint alike (unlike ``1``, ``1.0``, ``True``).
+_PLAIN: Final = (str, int)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fields_name(base: str, fields: tuple[tuple[str, Any], ...]) -> str:
+    """A limit's name from its base and its key fields' values (a digest of them)."""
+    return f"{base}{KEY_SEPARATOR}{fields_fingerprint(base, dict(fields))[:22]}"
 
 
 @dataclass(frozen=True, slots=True)
