@@ -23,6 +23,7 @@ SECTIONS = (
     "scripts",
     "heartbeat",
     "limit",
+    "limits",
 )
 
 
@@ -61,6 +62,17 @@ def test_quick_benchmark_writes_every_section(redis_url: str, tmp_path: Path) ->
     assert {"succeeded", "failed", "retried_once", "rejected"} <= set(summary["round_trips"])
     assert {"100", "1000"} <= set(summary["heartbeat"])
     assert "bytes_per_lock" in summary["memory"]
+    # Issue 34's limits: every part ran; the limit held across the two worker
+    # processes, and an uncontended limited run took no round trip more.
+    limits = summary["limits"]
+    assert {"unlimited", "limited", "limited_10_keys"} <= set(limits["drain"])
+    assert limits["drain"]["limited"]["peak_runs_of_a_key"]["max"] <= 2
+    assert limits["drain"]["limited_10_keys"]["peak_runs_of_a_key"]["max"] <= 2
+    trips = limits["round_trips"]
+    assert trips["limited"]["round_trips"] == trips["unlimited"]["round_trips"]
+    assert trips["limited"]["commands"]["median"] == trips["unlimited"]["commands"]["median"] + 2
+    assert limits["memory"]["bytes_per_busy_limit"]["median"] > 0
+    assert limits["overhead"]  # the life cycle, on each pinning the machine allows
     assert {row["figure"] for row in results["targets"]} >= {
         "send_path.null.1.ratio",
         "memory.bytes_per_lock",

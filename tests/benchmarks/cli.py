@@ -30,6 +30,7 @@ SECTIONS = (
     "heartbeat",
     "limit",
     "workers",
+    "limits",
 )
 DEFAULT_JSON = Path("benchmark-results/latest.json")
 IMAGES = Path("docs/images")
@@ -108,6 +109,10 @@ async def _run_once(bench: scenarios.Bench, only: list[str] | None) -> report.Re
             from tests.benchmarks import workers  # noqa: PLC0415 (starts processes)
 
             results[name] = await workers.workers(bench)
+        elif name == "limits":
+            from tests.benchmarks import limits  # noqa: PLC0415 (starts processes)
+
+            results[name] = await limits.limits(bench)
         else:
             results[name] = await getattr(scenarios, name)(bench)
         results["seconds"][name] = time.perf_counter() - started

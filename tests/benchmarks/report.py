@@ -396,6 +396,8 @@ def _rows(summary: Results) -> list[tuple[str, ...]]:  # noqa: C901, PLR0912, PL
             at("workers.held.cpu_share_of_core"),
             at("workers.held.server_cpu_share_of_core"),
         )
+    if "limits" in summary:
+        rows += _limit_rows(summary)
     if "memory" in summary:
         add("## Redis memory", "bytes per lock", "MEMORY USAGE", "locks held")
         add(
@@ -427,6 +429,92 @@ def _rows(summary: Results) -> list[tuple[str, ...]]:  # noqa: C901, PLR0912, PL
                 f"{at(base + '.none_p99_us')} / {at(base + '.dedup_p99_us')}",
                 f"{at(base + '.added_p50_us')} / {at(base + '.added_p99_us')}",
             )
+    return rows
+
+
+def _limit_rows(summary: Results) -> list[tuple[str, ...]]:
+    """The rows of the ``limits`` section (issue 34): limited beside unlimited."""
+    limits = summary["limits"]
+
+    def at(path: str) -> str:
+        return show(lookup(summary, f"limits.{path}"))
+
+    rows = _limit_drain_rows(limits, at)
+    if "round_trips" in limits:
+        rows.append(
+            ("## limits: per task alone", "trips / writes", "commands", "EVALSHA: calls / us")
+        )
+        for case in limits["round_trips"]:
+            base = f"round_trips.{case}"
+            rows.append(
+                (
+                    case,
+                    f"{at(base + '.round_trips')} / {at(base + '.writes')}",
+                    at(f"{base}.commands"),
+                    f"{at(base + '.server_script_calls')} / {at(base + '.evalsha_us')}",
+                )
+            )
+    for pin in limits.get("overhead", {}):
+        base = f"overhead.{pin}"
+        rows.append((f"## limits: life cycle ({pin})", "us", "added (EVALSHAs)", ""))
+        rows.append(("EVALSHA alone", at(f"{base}.evalsha_us"), "", ""))
+        rows.append(("unlimited", at(f"{base}.unlimited_us"), "", ""))
+        rows.append(("limited", at(f"{base}.limited_us"), at(f"{base}.added_evalshas"), ""))
+    if "memory" in limits:
+        rows.append(("## limits: Redis memory per limit", "used_memory", "MEMORY USAGE", ""))
+        for state, figure, usage in (
+            ("2 slots held", "bytes_per_busy_limit", "memory_usage_busy"),
+            ("each run waiting in line", "bytes_per_waiter", None),
+            ("every slot freed", "bytes_per_idle_limit", "memory_usage_idle"),
+        ):
+            total = ""
+            if usage is not None:
+                parts = limits["memory"][usage]
+                total = _number(sum(part["median"] for part in parts.values()))
+            rows.append((state, at(f"memory.{figure}"), total, ""))
+    return rows
+
+
+def _limit_drain_rows(limits: Results, at: Any) -> list[tuple[str, ...]]:
+    """The drain's rows: unlimited beside limited, on 100 keys and on 10."""
+    rows: list[tuple[str, ...]] = []
+    for variant in ("limited", "limited_10_keys"):
+        if variant not in limits.get("drain", {}):
+            continue
+        hot = variant == "limited_10_keys"
+        keys, ratio = (
+            at(f"drain.{'hot_keys' if hot else 'keys'}"),
+            at(f"drain.{'ratio_10_keys' if hot else 'ratio'}"),
+        )
+
+        def both(figure: str, ratio: str = "", variant: str = variant) -> tuple[str, str, str]:
+            return at(f"drain.unlimited.{figure}"), at(f"drain.{variant}.{figure}"), ratio
+
+        title = (
+            f"## limits: taskiq worker x{at('drain.processes')}, drain, "
+            f"{keys} keys at N = {at('drain.concurrency')}"
+        )
+        rows.append((title, "unlimited", "limited", "limited/unlimited"))
+        rows += [
+            (f"{at('drain.tasks')} tasks of 1-5 ms, tasks/s", *both("per_s", ratio)),
+            ("worker CPU per task (us)", *both("worker_cpu_us_per_task")),
+            ("Redis CPU per task (us)", *both("redis_cpu_us_per_task")),
+            ("EVALSHA per task (us in Redis)", *both("evalsha_us_per_task")),
+            ("Redis read events per task", *both("redis_read_events_per_task")),
+            ("bytes to Redis per task", *both("redis_input_bytes_per_task")),
+            *(
+                (f"{command} per task", *both(f"commands_per_task.{command}"))
+                for command in ("evalsha", "brpop", "lpush", "subscribe", "unsubscribe", "publish")
+            ),
+            ("sent back to the broker per task", *both("requeued_per_task")),
+            ("share of runs that waited", *both("waited_share")),
+            ("release -> next start, p50 (us)", *both("release_to_start_p50_us")),
+            ("release -> next start, p99 (us)", *both("release_to_start_p99_us")),
+            ("waited for the slot, p50 (us)", *both("waited_p50_us")),
+            ("waited for the slot, p99 (us)", *both("waited_p99_us")),
+            ("waits over a second", *both("waits_over_1s")),
+            ("most runs of one key at once", *both("peak_runs_of_a_key")),
+        ]
     return rows
 
 
