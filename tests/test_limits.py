@@ -413,3 +413,33 @@ async def test_a_slot_handed_over_before_its_run_watches_is_not_lost(
 
 async def _heard(wakes: Wakes) -> bool:
     return bool(wakes._early)
+
+
+async def test_runs_that_wait_for_a_limit_start_in_the_order_they_came(
+    make_broker: BrokerFactory,
+) -> None:
+    workers = await two_workers(make_broker, limit_waiting=50)
+    release = asyncio.Event()
+    order: list[int] = []
+    tasks = []
+    for broker in workers:
+
+        @broker.task(task_name="in_order", limit_concurrency=1, deduplication=False)
+        async def in_order(i: int) -> None:
+            order.append(i)
+            if i == 0:
+                await release.wait()
+
+        tasks.append(in_order)
+    handles = [await tasks[0].kiq(0)]
+    await wait_until(lambda: _started(order))
+    for i in range(1, 9):  # the two workers in turn: one line across them
+        handles.append(await tasks[i % 2].kiq(i))
+        await asyncio.sleep(0.05)  # each has taken its place before the next comes
+    release.set()
+    await results(handles)
+    assert order == list(range(9))
+
+
+async def _started(order: list[int]) -> bool:
+    return bool(order)
