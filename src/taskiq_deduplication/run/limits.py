@@ -74,6 +74,12 @@ class LimitedRun:
     """The take sent with the run's claim, until it is read."""
     holds: bool = False
     """Whether the run holds its slot (or its start in the rate) now."""
+    in_line: bool = False
+    """Whether the run has a place in its limit's line in Redis now."""
+    took_at: float = 0.0
+    """The event loop's time when its last take was made."""
+    stays: bool = False
+    """Whether the run waits here whatever: the broker refused to take it back."""
     lost: bool = False
     """Whether a refresh found the slot gone (its lease lapsed): the run is fenced."""
     requeued: bool = False
@@ -306,8 +312,13 @@ class Limits:
                 exc,
             )
             return None
+        task = asyncio.current_task()
+        if (message.task_id, task) in self._runs:
+            # A retry run inside its attempt's own hooks (an in-process broker
+            # that awaits in place): the attempt holds the slot, and waits for it.
+            return None
         slot = Slot(limit_keys(self._prefix, name), message.task_id, new_token(), self._lease_ms)
-        run = LimitedRun(rule, name, slot, message.task_name, state, task=asyncio.current_task())
+        run = LimitedRun(rule, name, slot, message.task_name, state, task=task)
         self._runs[message.task_id, run.task] = run
         if run.task is not None:
             # However the delivery ends (post_execute, or cancelled before it), the slot goes.
@@ -323,6 +334,7 @@ class Limits:
 
     def take_soon(self, run: LimitedRun) -> None:
         """Send the take of ``run``'s slot with the next call of this turn (its claim)."""
+        run.took_at = asyncio.get_running_loop().time()
         run.taking = run.state.locks.slots.take_soon(run.slot, run.rule.concurrency, run.rule.rate)
 
     def put_back(self, run: LimitedRun | None) -> None:
@@ -356,8 +368,10 @@ class Limits:
             if taken is None:  # Redis failed past the lease: the run goes without
                 room.discard(run)
                 return
-            room.add(run)
+            if run.rule.concurrency:  # a rate alone keeps nothing in Redis to refresh
+                room.add(run)
             if isinstance(taken, Waits):
+                run.in_line = True
                 delay = await self._in_line(room, run, message, broker, first=not waited)
                 waited = True
                 if delay is _SENT_BACK:
@@ -366,6 +380,7 @@ class Limits:
                     continue  # its place lapsed, or the broker refused it: a new place
             else:
                 delay = taken.delay
+            run.in_line = False
             room.hold(run, holds=True)
             if delay > 0:  # its start in the rate is still to come
                 waited = True
@@ -388,9 +403,10 @@ class Limits:
         ``None``: its place lapsed, take another; `_SENT_BACK`: this loop lends
         the limit no more slots to wait in, and its message went back.
         """
-        if room.waiting.get(run.name, 0) >= self._waiting:
+        if room.waiting.get(run.name, 0) >= self._waiting and not run.stays:
             room.discard(run)
             run.state.locks.slots.free(run.slot)
+            run.in_line = False
             if await self._requeue(run, message, broker):
                 return _SENT_BACK
             return None  # the broker refused it: it waits here after all
@@ -415,10 +431,13 @@ class Limits:
         giving_up = time.monotonic() + run.slot.lease_ms / 1000
         slots = run.state.locks.slots
         while True:
-            taking, run.taking = run.taking, None
-            if taking is None:
-                taking = slots.take_soon(run.slot, run.rule.concurrency, run.rule.rate)
-            taken = await taking.outcome()
+            if run.taking is None:
+                run.took_at = asyncio.get_running_loop().time()
+                run.taking = slots.take_soon(run.slot, run.rule.concurrency, run.rule.rate)
+            # Kept on the run while its reply is awaited: a run cancelled meanwhile
+            # gives back what the take may have taken.
+            taken = await run.taking.outcome()
+            run.taking = None
             if not isinstance(taken, RedisFailed):
                 return taken
             if time.monotonic() >= giving_up:
@@ -439,12 +458,8 @@ class Limits:
         room.wait_more(run.name)
         channel = run.slot.keys.holders
         try:
-            try:
-                future, fresh = await room.wakes.watch(channel, run.slot.member)
-            except Exception as exc:  # noqa: BLE001 (any error: the refreshes wake it all the same)
-                logger.debug("Could not listen for the slots of %r: %s", run.name, exc)
-                future, fresh = asyncio.get_running_loop().create_future(), False
-            if fresh:  # a slot handed over before the subscription went unheard
+            future, look_again = await room.wakes.watch(channel, run.slot.member, run.took_at)
+            if look_again:  # a slot handed over before the subscription went unheard
                 kept = await run.state.locks.slots.keep([run.slot])
                 if not isinstance(kept, RedisFailed) and kept[0].held:
                     return kept[0].delay
@@ -491,8 +506,10 @@ class Limits:
             room.discard(run)
         if run.taking is not None:
             self.put_back(run)
-        elif run.holds and not run.lost:
+        elif (run.holds or run.in_line) and not run.lost:
+            # Its slot, or its place in line (a run cancelled while it waited).
             run.state.locks.slots.free(run.slot)
+        run.in_line = False
         if room is not None:
             room.hold(run, holds=False)
         run.holds = False
@@ -511,6 +528,7 @@ class Limits:
         except Exception as exc:  # noqa: BLE001 (any broker's error: the run waits instead)
             put_back()
             run.requeued = False
+            run.stays = True
             logger.warning(
                 "Could not send task %s (%s) back to the broker (%s: %s); it waits for "
                 "limit %r here",

@@ -23,6 +23,8 @@ from redis.asyncio.cluster import RedisCluster
 from taskiq_deduplication.store.call import REDIS_FAILURES
 
 if TYPE_CHECKING:
+    from collections.abc import Coroutine
+
     from redis.asyncio.client import PubSub
 
     RedisClient = Redis | RedisCluster
@@ -42,6 +44,8 @@ _CLIENT_OPTIONS: Final = frozenset(inspect.signature(Redis.__init__).parameters)
 #: many are kept at most (those of other processes' runs are heard too).
 _EARLY_KEPT: Final = 5.0
 _EARLY_MOST: Final = 1024
+#: Seconds a waiter waits for its channel's subscription to be confirmed.
+_CONFIRM_TIMEOUT: Final = 5.0
 #: Seconds before the listener tries again after its connection failed.
 _RETRY_AFTER: Final = 0.5
 
@@ -59,47 +63,61 @@ class Wakes:
         # reply that it waits, and the slot may be handed to it before it comes
         # to watch (a channel this loop listens to already). Kept briefly.
         self._early: dict[tuple[str, str], tuple[float, float]] = {}
-        self._confirmed: dict[str, asyncio.Future[None]] = {}
+        self._confirmed: dict[str, asyncio.Future[float]] = {}
         self._reader: asyncio.Task[None] | None = None
         # One (un)subscription at a time: redis-py's PubSub connects on the
         # first, and two at once would each open a connection of their own.
         self._subscribing = asyncio.Lock()
+        self._background: set[asyncio.Task[None]] = set()
 
-    async def watch(self, channel: str, member: str) -> tuple[asyncio.Future[float], bool]:
+    async def watch(
+        self, channel: str, member: str, since: float
+    ) -> tuple[asyncio.Future[float], bool]:
         """Wake ``member`` when ``channel`` names it: its future gets the delay to its start.
 
-        Returns the future, and whether the channel was subscribed just now (a
-        slot handed over before that went unheard: look once more). The
-        subscription is confirmed when this returns.
-
-        Raises:
-            redis.exceptions.RedisError: The subscription failed.
+        ``since`` is the event loop's time when the run's take was made.
+        Returns the future, and whether to look once more: the channel's
+        subscription was not confirmed before ``since`` (a take made earlier
+        may have been answered, and its slot handed over, before Redis had the
+        subscription), or it failed (the refreshes wake the run all the same).
+        Never raises: a failure to subscribe is logged.
         """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[float] = loop.create_future()
-        members = self._waiters.setdefault(channel, {})
-        members[member] = future
+        self._waiters.setdefault(channel, {})[member] = future
         early = self._early.pop((channel, member), None)
         if early is not None:
             future.set_result(early[0])
         confirmed = self._confirmed.get(channel)
-        if confirmed is not None:
-            await asyncio.shield(confirmed)
-            return future, False
-        confirmed = loop.create_future()
-        self._confirmed[channel] = confirmed
+        if confirmed is None:
+            confirmed = self._confirmed[channel] = loop.create_future()
+            self._spawn(self._subscribe(channel, confirmed))
+        # Not wait_for: the confirmation is shared, and a waiter that gives up
+        # must not cancel it for the others.
+        await asyncio.wait([confirmed], timeout=_CONFIRM_TIMEOUT)
+        if not confirmed.done() or confirmed.cancelled() or confirmed.exception() is not None:
+            return future, True
+        return future, confirmed.result() > since
+
+    async def _subscribe(self, channel: str, confirmed: asyncio.Future[float]) -> None:
+        """Subscribe to ``channel``; ``confirmed`` gets the loop's time of Redis's confirmation."""
         try:
             async with self._subscribing:
                 await self._listener().subscribe(channel)
             self._read()
-            await asyncio.wait_for(asyncio.shield(confirmed), timeout=5.0)
-        except BaseException:
-            self._confirmed.pop(channel, None)
+        except Exception as exc:  # noqa: BLE001 (any error: the refreshes wake the waiters)
+            logger.warning(
+                "Could not listen for the freed slots of %r (%s: %s); its waiting runs are "
+                "woken by their refreshes instead",
+                channel,
+                type(exc).__name__,
+                exc,
+            )
+            if self._confirmed.get(channel) is confirmed:
+                del self._confirmed[channel]
             if not confirmed.done():
-                confirmed.cancel()
-            self.forget(channel, member)
-            raise
-        return future, True
+                confirmed.set_exception(exc)
+                confirmed.exception()  # retrieved: each waiter looks again
 
     def forget(self, channel: str, member: str) -> None:
         """Stop waking ``member``; the last one of a channel unsubscribes from it."""
@@ -115,7 +133,7 @@ class Wakes:
             if self._pubsub is not None:
                 with contextlib.suppress(*REDIS_FAILURES, RuntimeError):
                     # Sent in the background: a waiter that got its slot does not wait for it.
-                    asyncio.get_running_loop().create_task(self._unsubscribe(channel))
+                    self._spawn(self._unsubscribe(channel))
 
     def wake(self, channel: str, member: str, delay: float, *, heard: bool = False) -> None:
         """Wake ``member`` of ``channel`` (a refresh found it holds its slot, or it was ``heard``).
@@ -150,6 +168,12 @@ class Wakes:
         if own is not None:
             with contextlib.suppress(*REDIS_FAILURES):
                 await own.aclose()
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` in the background, kept until it is done."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _listener(self) -> PubSub:
         if self._pubsub is None:
@@ -195,10 +219,11 @@ class Wakes:
             if kind == "subscribe":
                 confirmed = self._confirmed.get(channel)
                 if confirmed is not None and not confirmed.done():
-                    confirmed.set_result(None)
+                    confirmed.set_result(asyncio.get_running_loop().time())
             elif kind == "message":
-                token, task_id, delay = _text(message["data"]).split(" ")
-                self.wake(channel, f"{token} {task_id}", int(delay) / 1e6, heard=True)
+                # "<run token> <task_id> <delay>": a task_id may hold spaces.
+                member, _, delay = _text(message["data"]).rpartition(" ")
+                self.wake(channel, member, int(delay) / 1e6, heard=True)
 
 
 def _text(value: bytes | str) -> str:

@@ -87,8 +87,10 @@ local function grant()
     if free <= 0 then
       break
     end
-    local token, task = string.match(member, '^(%S+) (%S+)$')
+    local token, task = string.match(member, '^(%S+) (.+)$')
     if redis.call('HEXISTS', TOKENS, task) == 0 then
+      -- Held on the waiter's own lease (its worker may keep a longer one).
+      local deadline = math.max(now + lease, tonumber(redis.call('ZSCORE', LEASES, member) or '0'))
       redis.call('ZREM', WAITING, member)
       redis.call('ZREM', LEASES, member)
       waiting = waiting - 1
@@ -96,7 +98,7 @@ local function grant()
       if interval > 0 then
         start = place()
       end
-      redis.call('ZADD', H, int(now + lease), task)
+      redis.call('ZADD', H, int(deadline), task)
       redis.call('HSET', TOKENS, task, token .. ' ' .. int(start))
       redis.call('PUBLISH', H, member .. ' ' .. int(start - now))
       free = free - 1
@@ -104,10 +106,22 @@ local function grant()
   end
 end
 
--- Every key lives two leases past its last use, the record as long as the
--- rate remembers a start too.
+-- Every key lives two leases past its last use, and past the last deadline
+-- of its holders and waiters (workers may keep longer leases than this call's);
+-- the record as long as the rate remembers a start too.
 local function keep_alive()
-  local ms = math.ceil(2 * lease / 1000) + 1000
+  local last = now + 2 * lease
+  local top = redis.call('ZRANGE', H, -1, -1, 'WITHSCORES')
+  if top[2] and tonumber(top[2]) > last then
+    last = tonumber(top[2])
+  end
+  if waiting > 0 then
+    top = redis.call('ZRANGE', LEASES, -1, -1, 'WITHSCORES')
+    if top[2] and tonumber(top[2]) > last then
+      last = tonumber(top[2])
+    end
+  end
+  local ms = math.ceil((last - now) / 1000) + 1000
   redis.call('PEXPIRE', H, ms)
   redis.call('PEXPIRE', TOKENS, ms)
   if waiting > 0 then
@@ -129,14 +143,22 @@ local op = ARGV[1]
 purge()
 if op == 'take' then
   local task, token = ARGV[2], ARGV[3]
-  local wanted = {ARGV[4], int(tonumber(ARGV[5]) * 1000), ARGV[6], ARGV[7], ARGV[8]}
-  if m[1] ~= wanted[1] or m[2] ~= wanted[2] or m[3] ~= wanted[3] or m[4] ~= wanted[4]
-      or m[6] ~= wanted[5] then
-    redis.call('HSET', META, 'n', wanted[1], 'lease', wanted[2], 'interval', wanted[3],
-      'tolerance', wanted[4], 'rate', wanted[5])
+  -- The record keeps what each take says of its own: a take with a rate alone
+  -- leaves the slots' N as it is, and one without a rate the rate.
+  local lease_us = int(tonumber(ARGV[5]) * 1000)
+  if (ARGV[4] ~= '0' and m[1] ~= ARGV[4]) or m[2] ~= lease_us then
+    redis.call('HSET', META, 'n', ARGV[4] ~= '0' and ARGV[4] or (m[1] or '0'), 'lease', lease_us)
   end
-  n, lease = tonumber(wanted[1]), tonumber(wanted[2])
-  interval, tolerance = tonumber(wanted[3]), tonumber(wanted[4])
+  if ARGV[6] ~= '0' and (m[3] ~= ARGV[6] or m[4] ~= ARGV[7] or m[6] ~= ARGV[8]) then
+    redis.call('HSET', META, 'interval', ARGV[6], 'tolerance', ARGV[7], 'rate', ARGV[8])
+  end
+  if ARGV[4] ~= '0' then
+    n = tonumber(ARGV[4])
+  end
+  lease = tonumber(lease_us)
+  if ARGV[6] ~= '0' then
+    interval, tolerance = tonumber(ARGV[6]), tonumber(ARGV[7])
+  end
   local start = holds(task, token)
   if start then
     -- This take ran already (a batch sent again after a lost connection).
