@@ -520,6 +520,11 @@ class Limits:
         Whether it went: a broker that refused it leaves the run to wait in
         line after all (its message must not be lost).
         """
+        if getattr(broker, "await_inplace", False):
+            # An in-process broker that runs a message inside its kick would
+            # deliver it again right here, in this very run: it waits instead.
+            run.stays = True
+            return False
         # First: an in-process broker's kick looks the task up in this very
         # asyncio task, and the body to leave out is this delivery's own.
         put_back = leave_out_body(message, _nothing)

@@ -204,7 +204,8 @@ class Wakes:
 
     async def _run(self) -> None:
         pubsub = self._pubsub
-        assert pubsub is not None  # noqa: S101 (made before the reader)
+        if pubsub is None:  # closed meanwhile
+            return
         while self._waiters or self._confirmed:
             try:
                 message = await pubsub.get_message(timeout=1.0)
@@ -223,7 +224,8 @@ class Wakes:
             elif kind == "message":
                 # "<run token> <task_id> <delay>": a task_id may hold spaces.
                 member, _, delay = _text(message["data"]).rpartition(" ")
-                self.wake(channel, member, int(delay) / 1e6, heard=True)
+                if member and delay.lstrip("-").isdigit():  # else not ours: ignored
+                    self.wake(channel, member, int(delay) / 1e6, heard=True)
 
 
 def _text(value: bytes | str) -> str:

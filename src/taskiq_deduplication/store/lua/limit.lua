@@ -155,6 +155,8 @@ if op == 'take' then
   if ARGV[4] ~= '0' then
     n = tonumber(ARGV[4])
   end
+  -- This run's own N: a run with a rate alone takes no slot and waits in no line.
+  local mine = tonumber(ARGV[4])
   lease = tonumber(lease_us)
   if ARGV[6] ~= '0' then
     interval, tolerance = tonumber(ARGV[6]), tonumber(ARGV[7])
@@ -167,7 +169,7 @@ if op == 'take' then
     return {1, math.max(start - now, 0)}
   end
   local member = token .. ' ' .. task
-  if n > 0 then
+  if mine > 0 then
     if waiting > 0 and redis.call('ZSCORE', WAITING, member) then
       redis.call('ZADD', LEASES, int(now + lease), member)
       keep_alive()
@@ -193,7 +195,7 @@ if op == 'take' then
   if interval > 0 then
     start = place()
   end
-  if n > 0 then
+  if mine > 0 then
     redis.call('ZADD', H, int(now + lease), task)
     redis.call('HSET', TOKENS, task, token .. ' ' .. int(start))
   end
