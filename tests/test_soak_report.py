@@ -90,6 +90,7 @@ def verdict(
     results: list[dict[str, Any]] | None = None,
     hooks: list[dict[str, Any]] | None = None,
     procs: list[dict[str, Any]] | None = None,
+    slots: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     data = {"kiqs": kiqs, "runs": runs, "faults": faults or [], "rss": [], "notes": []}
     data["procs"] = procs or []
@@ -98,7 +99,7 @@ def verdict(
         results = [stored(r["task_id"], r["ended"]) for r in runs if r["outcome"] == "ok"]
     data["results"] = results
     data["hooks"] = hooks or []
-    return report.analyse(data, locks or [], {**OPTIONS, **(options or {})})
+    return report.analyse(data, locks or [], {**OPTIONS, **(options or {})}, slots)
 
 
 def two_at_once() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -684,3 +685,66 @@ def test_the_four_lines_of_copies_follow_the_reruns_in_the_report() -> None:
         "skips seen by another middleware as errors",
         "a new send within the success TTL is refused, by task id",
     ]
+
+
+# The limited task: never over its limit, and no slot kept once everything ended
+
+
+def limited(
+    count: int, started: float = 100.0, **extra: Any
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``count`` calls of the limited task that start together and run 2 s each."""
+    runs = [
+        run(f"l{i}", f"rabbitmq:limited:{i}", started + i * 0.01, started + 2.0, **extra)
+        for i in range(count)
+    ]
+    return [kiq(r["task_id"], r["fp"], started - 1.0) for r in runs], runs
+
+
+def test_runs_of_the_limited_task_beyond_its_limit_are_a_breach() -> None:
+    result = verdict(*limited(app.LIMIT + 1))
+    assert result["over_limit"] == {"over the limit (unexplained)": 1}
+    assert result["breaches"] == [
+        "runs of a limit over the limit: 1 x over the limit (unexplained)"
+    ]
+    assert "    over the limit (must be 0): 1" in report.render(result)
+    # Up to the limit, across brokers, and one after another: none.
+    kiqs, runs = limited(app.LIMIT)
+    later = run("z", "redis-list:limited:9", 102.5, 103.0, broker="redis-list")
+    result = verdict([*kiqs, kiq("z", later["fp"], 99.0)], [*runs, later])
+    assert result["over_limit"] == {}
+    assert result["breaches"] == []
+    assert "    over the limit (must be 0): 0" in report.render(result)
+
+
+def test_runs_over_the_limit_after_a_redis_restart_are_a_window() -> None:
+    kiqs, runs = limited(app.LIMIT + 1)
+    runs[-1]["started"] = 101.0  # after the restart forgot who held the slots
+    result = verdict(kiqs, runs, [fault("redis-restart", "locks", 100.5, 100.6)])
+    assert result["over_limit"] == {report.LOST_IN_RESTART: 1}
+    assert result["breaches"] == []
+
+
+def test_the_run_of_a_killed_worker_ends_at_its_death_for_the_limit() -> None:
+    kiqs, runs = limited(app.LIMIT, pid=100)
+    for one in runs:
+        one["ended"], one["outcome"] = None, None
+    later = run("z", "rabbitmq:limited:9", 140.0, 141.0, pid=101)
+    procs = [proc(100, "sigkill", 105.0)]
+    result = verdict([*kiqs, kiq("z", later["fp"], 139.0)], [*runs, later], procs=procs)
+    assert result["over_limit"] == {}
+
+
+def test_a_slot_kept_alive_after_everything_ended_is_a_breach() -> None:
+    options = {"settled_at": 200.0}
+    slots = [
+        # Last refreshed before the end: its worker is gone, it lapses.
+        {"limit": "soak-limited", "kind": "holder", "member": "a", "deadline": 225.0},
+        # Refreshed 10 s after everything ended: a run that never ends keeps it.
+        {"limit": "soak-limited", "kind": "waiter", "member": "t b", "deadline": 240.0},
+    ]
+    result = verdict([], [], options=options, slots=slots)
+    assert result["slots_left"] == {report.SLOT_LAPSING: 1, report.SLOT_KEPT: 1}
+    assert result["breaches"] == [f"slots of a limit never freed: 1 x {report.SLOT_KEPT}"]
+    assert "    slots never freed (must be 0): 1" in report.render(result)
+    assert verdict([], [], options=options, slots=slots[:1])["breaches"] == []

@@ -55,6 +55,7 @@ from taskiq_deduplication import (
     RedisDeduplicationMiddleware,
     TaskLock,
 )
+from tests.e2e.ledger import DSN, Writer
 
 CONFIG_ENV = "DEDUP_E2E_CONFIG"
 
@@ -151,6 +152,10 @@ class Config:
     task, once per order: one of :data:`CRASH_POINTS` ("" registers no CopyMaker)."""
     later_middleware: bool = False
     """Whether :class:`LaterMiddleware` is registered after the deduplication middleware."""
+    ledger: str = ""
+    """The PostgreSQL schema of the test's ledger (``tests/e2e/ledger.py``), where the
+    limited tasks write their runs; "" for none (they do not run then)."""
+    pg_dsn: str = DSN
 
     def __post_init__(self) -> None:
         """Refuse a setup the app does not know."""
@@ -630,10 +635,13 @@ def build_broker(config: Config) -> tuple[AsyncBroker, Tasks]:
     first: list[TaskiqMiddleware] = [AckWindow(config)]
     if config.crash_at:
         first.append(CopyMaker(config))
+    if config.ledger:
+        first.append(LimitDeliveries(config))
     later: list[TaskiqMiddleware] = [LaterMiddleware(config)] if config.later_middleware else []
     broker.with_middlewares(*first, *middlewares, *later)
     register_callsite_tasks(broker, config)
     register_once_tasks(broker, config)
+    register_limited_tasks(broker, config)
     return broker, register_tasks(broker, config)
 
 
@@ -693,12 +701,15 @@ async def _wake_every_second() -> None:
 
 def worker_broker() -> AsyncBroker:
     """The broker for ``taskiq worker``, configured from the environment."""
-    broker, _ = build_broker(Config.from_env())
+    config = Config.from_env()
+    broker, _ = build_broker(config)
 
     @broker.on_event(TaskiqEvents.WORKER_STARTUP)
     async def stop_at_the_first_signal(state: TaskiqState) -> None:
         # An idle worker sees SIGTERM only when its event loop wakes up.
         state.waker = asyncio.create_task(_wake_every_second())
+        if config.ledger:  # the limited tasks' ledger: when this loop was late
+            state.stalls = asyncio.create_task(Writer(config.pg_dsn, config.ledger).watch_stalls())
 
     return broker
 
@@ -797,3 +808,122 @@ def register_callsite_tasks(broker: AsyncBroker, config: Config) -> None:
         deduplication_exclusive=False,
         **retry_labels,
     )(fenced)
+
+
+# The limited tasks (tests/e2e/test_limits.py): keyed flow control. Each writes
+# its runs to the test's ledger in PostgreSQL, stamping its start as its body
+# begins and its end as it ends, under the name of the limit it counts against.
+
+#: ``limit_concurrency`` of the keyed limit: one limit per value of ``key``.
+KEYED_LIMIT = 2
+#: ``limit_rate`` and ``limit_burst`` of the rate that two tasks share.
+SHARED_RATE, SHARED_RATE_PER_S, SHARED_BURST = "5/s", 5, 2
+#: The limited tasks: name -> (their labels, the ledger's name of their limit).
+#: The keyed tasks share one limit per ``key`` (``limit_key``), one deduplicated,
+#: one not; so do the rated ones, one rate for both.
+LIMITED_TASKS: dict[str, tuple[dict[str, Any], str]] = {
+    "e2e.limit.keyed": (
+        {
+            "limit_concurrency": KEYED_LIMIT,
+            "limit_key": "e2e-keyed",
+            "limit_key_fields": ["key"],
+            "retry_on_error": True,
+            "max_retries": MAX_ATTEMPTS,
+        },
+        "keyed:{key}",
+    ),
+    "e2e.limit.keyed_open": (
+        {
+            "limit_concurrency": KEYED_LIMIT,
+            "limit_key": "e2e-keyed",
+            "limit_key_fields": ["key"],
+            "retry_on_error": True,
+            "max_retries": MAX_ATTEMPTS,
+            "deduplication": False,
+        },
+        "keyed:{key}",
+    ),
+    "e2e.limit.one": ({"limit_concurrency": 1, "deduplication": False}, "one"),
+    "e2e.limit.rate_a": (
+        {"limit_rate": SHARED_RATE, "limit_burst": SHARED_BURST, "limit_key": "e2e-rate"},
+        "rate",
+    ),
+    "e2e.limit.rate_b": (
+        {
+            "limit_rate": SHARED_RATE,
+            "limit_burst": SHARED_BURST,
+            "limit_key": "e2e-rate",
+            "deduplication": False,
+        },
+        "rate",
+    ),
+    "e2e.limit.unlimited": ({"deduplication": False}, ""),
+}
+LIMITED_PREFIX = "e2e.limit."
+
+
+class LimitDeliveries(TaskiqMiddleware):
+    """Counts every delivery of a limited task, first in the chain (``deliveries`` hash).
+
+    A delivery that its limit sends back to the broker ends without its body,
+    and so without a row in the ledger: this counts those too.
+    """
+
+    def __init__(self, config: Config) -> None:
+        """Count in the test's Redis."""
+        super().__init__()
+        self.reports = Reports(config)
+        self.config = config
+
+    async def pre_execute(self, message: TaskiqMessage) -> TaskiqMessage:
+        """Count the delivery under its task's name."""
+        if message.task_name.startswith(LIMITED_PREFIX):
+            await self.reports.redis.hincrby(self.config.key("deliveries"), message.task_name, 1)
+        return message
+
+
+def register_limited_tasks(broker: AsyncBroker, config: Config) -> None:
+    """Register the tasks of :data:`LIMITED_TASKS` on ``broker`` (find them by name).
+
+    Each call's ``n`` is unique in its test (the deduplicated ones lock each
+    call apart); it runs ``ms`` milliseconds, first waiting at its ``gate``
+    if it names one, and fails its first ``failures`` attempts.
+    """
+    if not config.ledger:
+        return
+    reports = Reports(config)
+    writer = Writer(config.pg_dsn, config.ledger)
+
+    def limited(name: str, limit: str) -> Callable[..., Awaitable[int]]:
+        async def run(
+            n: int,
+            key: str = "",
+            ms: int = 0,
+            failures: int = 0,
+            gate: str = "",
+            context: Context = TaskiqDepends(),
+        ) -> int:
+            started = time.time()  # first: the body begins now
+            attempt = int(context.message.labels.get("_retries", 0))
+            row = await writer.start(
+                task=name,
+                task_id=context.message.task_id,
+                limit_name=limit.format(key=key),
+                n=n,
+                attempt=attempt,
+                started=started,
+            )
+            if gate:
+                await reports.pass_gate(gate)
+            await asyncio.sleep(ms / 1000)
+            failing = attempt < failures
+            await writer.end(row, time.time(), "failed" if failing else "ok")
+            if failing:
+                msg = f"attempt {attempt} of call {n} fails on purpose"
+                raise RuntimeError(msg)
+            return n
+
+        return run
+
+    for name, (labels, limit) in LIMITED_TASKS.items():
+        broker.task(name, **labels)(limited(name, limit))

@@ -8,7 +8,9 @@ every group is killed, by its id, when the test ends, whatever the outcome.
 
 RabbitMQ and NATS are used where they answer; when they do not, the tests that
 need them skip, or fail if ``DEDUP_REQUIRE_SERVICES=1`` says they must be there.
-``DEDUP_E2E_AMQP_URL`` and ``DEDUP_E2E_NATS_URL`` point at other servers.
+``DEDUP_E2E_AMQP_URL`` and ``DEDUP_E2E_NATS_URL`` point at other servers. So is
+PostgreSQL, for the tests that keep a ledger (``launch(..., ledger=True)``);
+``DEDUP_E2E_PG_DSN`` points at another.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from taskiq import AsyncBroker, AsyncTaskiqDecoratedTask
 
 from taskiq_deduplication import DuplicateTaskError
 from taskiq_deduplication.model.formats import holder_task_id
+from tests.e2e import ledger
 from tests.e2e.app import BROKERS, CONFIG_ENV, Config, Tasks, build_broker
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,10 +72,30 @@ def require_broker_server(broker: str) -> None:
     url = {"rabbitmq": AMQP_URL, "nats": NATS_URL}.get(broker)
     if url is None:
         return  # the Redis brokers use the session's own Redis
-    problem = _unreachable(url)
+    _require(broker, _unreachable(url))
+
+
+def require_postgres() -> None:
+    """Skip the test (or fail it, as above) when the ledger's PostgreSQL is down."""
+    _require("PostgreSQL", _pg_unreachable(ledger.DSN))
+
+
+@functools.cache
+def _pg_unreachable(dsn: str) -> str | None:
+    """Why PostgreSQL at ``dsn`` cannot be used, or ``None`` when it answers."""
+    import psycopg  # noqa: PLC0415 (only for the tests that keep a ledger)
+
+    try:
+        psycopg.connect(dsn, connect_timeout=2).close()
+    except psycopg.Error as exc:
+        return f"{dsn!r} does not answer ({str(exc).strip()})"
+    return None
+
+
+def _require(service: str, problem: str | None) -> None:
     if problem is None:
         return
-    reason = f"{broker} server is not reachable: {problem}"
+    reason = f"{service} server is not reachable: {problem}"
     if os.environ.get("DEDUP_REQUIRE_SERVICES") == "1":
         pytest.fail(f"{reason}; DEDUP_REQUIRE_SERVICES=1 requires it")
     pytest.skip(f"{reason} (set DEDUP_REQUIRE_SERVICES=1 to fail instead)")
@@ -389,20 +412,31 @@ async def launch(
 ) -> AsyncIterator[Launch]:
     """Start the application of this test: ``await launch(broker=..., **config)``.
 
-    Returns an :class:`App` whose client broker is started. At the end every
-    process is killed, the client stopped, and the broker's queues deleted.
+    Returns an :class:`App` whose client broker is started. With ``ledger=True``
+    the test gets a ledger in PostgreSQL of its own (``tests/e2e/ledger.py``).
+    At the end every process is killed, the client stopped, the broker's queues
+    deleted and the ledger dropped.
     """
     processes = Processes(tmp_path)
     apps: list[App] = []
+    schemas: list[str] = []
 
     async def start(**options: Any) -> App:
         require_broker_server(options["broker"])
+        if options.pop("ledger", False):
+            require_postgres()
+            schema = "dedup_e2e_" + prefix.rsplit(":", 1)[-1].replace("-", "_")
+            if schema not in schemas:
+                ledger.create(ledger.DSN, schema)
+                schemas.append(schema)
+            options["ledger"] = schema
         config = Config(
             redis_url=redis_url,
             prefix=prefix,
             name=_names(prefix),
             amqp_url=AMQP_URL,
             nats_url=NATS_URL,
+            pg_dsn=ledger.DSN,
             **options,
         )
         broker, tasks = build_broker(config)
@@ -417,11 +451,15 @@ async def launch(
         try:
             processes.kill_all()
         finally:
-            for app in apps:
-                try:
-                    await app.broker.shutdown()
-                finally:
-                    await _delete_broker_objects(app.config)
+            try:
+                for app in apps:
+                    try:
+                        await app.broker.shutdown()
+                    finally:
+                        await _delete_broker_objects(app.config)
+            finally:
+                for schema in schemas:
+                    ledger.drop(ledger.DSN, schema)
 
 
 async def _delete_broker_objects(config: Config) -> None:

@@ -5,7 +5,9 @@ The brokers are those of the e2e suite: taskiq-redis' list and stream brokers
 through taskiq-aio-pika and NATS JetStream through taskiq-nats (delivering a
 message again when it is not acknowledged within :data:`ACK_WAIT`). One ``work``
 task per lock policy (:data:`POLICIES`), some of whose calls outlast those two
-timeouts, so that their message is delivered again while they run.
+timeouts, so that their message is delivered again while they run. One more,
+"limited", has a limit (:data:`LIMIT` runs at once) that its calls on every
+broker share.
 
 The same code runs in the soak's own process, in its client process
 (``python -m tests.soak.client``) and in every ``taskiq worker
@@ -77,8 +79,12 @@ SUCCESS_TTL = 5
 EXPIRED_TTL = 4
 #: The debounce of the "debounce" task: quiet period and longest wait, in seconds.
 DEBOUNCE_QUIET, DEBOUNCE_MAX = 0.3, 1.0
+#: At most this many runs of the "limited" task at once, on all four brokers together.
+LIMIT = 4
 #: The ``work`` task of each lock policy, by a name of the soak's own, with its
 #: labels. "merge" and "debounce" key on ``fp`` alone: their repeats vary ``ms``.
+#: "limited" is "finished" with a limit of :data:`LIMIT` runs at once, one
+#: limit (``limit_key``) for its calls on every broker.
 POLICIES: dict[str, dict[str, Any]] = {
     "finished": {},
     "remembered": {"deduplication_success_ttl": SUCCESS_TTL},
@@ -94,6 +100,7 @@ POLICIES: dict[str, dict[str, Any]] = {
         "deduplication_debounce_max": DEBOUNCE_MAX,
         "deduplication_key_fields": ["fp"],
     },
+    "limited": {"limit_concurrency": LIMIT, "limit_key": "soak-limited"},
 }
 
 

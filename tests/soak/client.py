@@ -54,6 +54,7 @@ POLICY_WEIGHTS = {
     "expired": 10,
     "merge": 10,
     "debounce": 10,
+    "limited": 6,
 }
 #: Share of new calls that outlast the stream's idle_timeout and NATS' ack_wait.
 LONG_SHARE = 0.1

@@ -19,6 +19,13 @@ task id. Every call whose body succeeded has a result stored for its caller.
 A copy that is left out is invisible to a middleware registered after
 deduplication: it reads the arguments and hears of no error. A new send within
 a success TTL is refused: counted, not checked.
+
+The bodies of the "limited" task never run more than its limit at once, on all
+four brokers together (``over the limit``): a run's body lies within the time
+its run held its slot. Only a Redis restart (it forgets who holds a slot) and a
+slot's lease lapsed in an outage explain more. And once everything has ended, no
+slot of a limit (nor a place in its line) is still kept alive (``slots never
+freed``): one whose worker is gone lapses within its lease, and is only counted.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from typing import Any
 from tests.soak.app import (
     AT_LEAST_ONCE,
     EXPIRED_TTL,
+    LIMIT,
     MAX_ATTEMPTS,
     POLICIES,
     SUCCESS_TTL,
@@ -42,6 +50,11 @@ REDIS_FAULTS = frozenset({"redis-restart", "redis-pause", "redis-cut"})
 RELEASE_MARGIN = 2.0
 #: The lease of a run slot beside its lock, without ``running_ttl`` (the middleware's own).
 SLOT_LEASE = 10.0
+#: The lease of a slot of a limit: the middleware's running lease (the soak sets
+#: no ``running_ttl``), refreshed every third of it while its run goes on.
+LIMIT_LEASE = 30.0
+#: The limited task's runs: the lock policy of their fingerprints.
+LIMITED = "limited"
 
 # Classes of anomalies the documentation admits.
 LOST_IN_RESTART = "locks lost in a Redis restart"
@@ -77,6 +90,8 @@ ON_ERROR_NO_BODY = "on_error, body not run"
 SUCCESS_NOT_WRITTEN = "success not written: Redis unreachable as its run ended"
 RETRY_SEND_FAILED = "its retry's send failed: lock released, message delivered again"
 NEVER_RAN_AT_LEAST_ONCE = "never ran on an at-least-once broker"
+SLOT_LAPSING = "its worker is gone (it lapses within its lease)"
+SLOT_KEPT = "kept alive after every run had ended"
 #: The only windows in which two runs of one lock key may overlap.
 OVERLAP_WINDOWS = frozenset({LOST_IN_RESTART, LONG_PAUSE, LEASE_LAPSED, FAIL_OPEN})
 #: Policies under which a second send is refused while the first is queued or running.
@@ -130,6 +145,8 @@ WINDOWS: dict[str, frozenset[str]] = {
     "never_ran": DOCUMENTED,
     "never_completed": DOCUMENTED,
     "stale_refusals": DOCUMENTED,
+    "over_limit": frozenset({LOST_IN_RESTART, LEASE_LAPSED}),
+    "slots_left": frozenset({SLOT_LAPSING}),
 }
 INF = float("inf")
 
@@ -886,6 +903,67 @@ def stale_refusals(led: Ledger) -> list[dict[str, Any]]:
     return found
 
 
+def over_limit(led: Ledger) -> list[dict[str, Any]]:
+    """Starts of the limited task's runs that made more than :data:`LIMIT` run at once.
+
+    A body's start and end are stamped within the time its run held its slot
+    (a killed worker's body ends at its death): beyond the limit, the limit
+    let a run in that it should not have, unless Redis forgot who held its
+    slots (a restart since the oldest of those running began) or the slot of
+    one of them lapsed in an outage of a lease (its worker cut off from Redis,
+    or a run that waited a lease for Redis and went without one).
+    """
+    found = []
+    running: list[dict[str, Any]] = []
+    limited = (run for run in led.runs if policy_of(run["fp"]) == LIMITED)
+    for run in sorted(limited, key=lambda r: r["started"]):
+        running = [r for r in running if led.end(r) > run["started"]]
+        running.append(run)
+        if len(running) <= LIMIT:
+            continue
+        since = min(r["started"] for r in running)
+        lapse = LIMIT_LEASE - 1.0
+        if led.faults_in({"redis-restart"}, since - led.timeout, run["started"]):
+            why = LOST_IN_RESTART
+        elif any(
+            f["ended"] - f["started"] >= lapse
+            for f in led.faults_in({"redis-pause", "redis-cut"}, since, run["started"])
+        ) or gave_up_waiting(led, lapse, run["started"]):
+            why = LEASE_LAPSED
+        else:
+            why = "over the limit (unexplained)"
+        found.append(
+            {
+                "task_id": run["task_id"],
+                "broker": run["broker"],
+                "class": why,
+                "at": run["started"],
+                "running": len(running),
+            }
+        )
+    return found
+
+
+def slots_left(slots: list[dict[str, Any]], options: dict[str, Any]) -> list[dict[str, Any]]:
+    """The live places in a limit found once everything had ended, each with its class.
+
+    A place (a slot held, or a place in line) is live while its lease runs, and
+    its lease is refreshed while its run goes on. One last refreshed after the
+    ledger had settled (every run ended) is kept alive by a run that never
+    ends; one refreshed before lapses within its lease: its worker is gone.
+    """
+    settled = options.get("settled_at")
+    return [
+        {
+            **slot,
+            "class": SLOT_KEPT
+            if settled is None or slot["deadline"] - LIMIT_LEASE > settled + 1.0
+            else SLOT_LAPSING,
+        }
+        for slot in slots
+    ]
+
+
 def _percentiles(values: list[float]) -> dict[str, float | int]:
     if not values:
         return {"n": 0}
@@ -949,10 +1027,20 @@ def memory(led: Ledger) -> list[dict[str, Any]]:
 
 
 def analyse(
-    data: dict[str, list[dict[str, Any]]], locks: list[dict[str, Any]], options: dict[str, Any]
+    data: dict[str, list[dict[str, Any]]],
+    locks: list[dict[str, Any]],
+    options: dict[str, Any],
+    slots: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Check every invariant; return the figures and the list of breaches."""
+    """Check every invariant; return the figures and the list of breaches.
+
+    ``slots`` are the live places in a limit found at the end (a slot held or a
+    place in line: ``limit``, ``kind``, ``member``, ``deadline``, the end of
+    its lease in seconds); ``options["settled_at"]`` is when everything ended.
+    """
     led = Ledger(data, options)
+    over = over_limit(led)
+    left = slots_left(slots or [], options)
     found_overlaps = overlaps(led)
     found_again = ran_again(led)
     by_task = reruns_by_task(found_again)
@@ -978,6 +1066,8 @@ def analyse(
         ("accepted, never ran", "never_ran", lost),
         ("ran, never completed", "never_completed", unfinished),
         ("stale refusals", "stale_refusals", stale),
+        ("runs of a limit over the limit", "over_limit", over),
+        ("slots of a limit never freed", "slots_left", left),
     ):
         for why, n in classes(items).items():
             if why not in WINDOWS[key] and why != "holder unknown":
@@ -1048,6 +1138,9 @@ def analyse(
         "never_ran": classes(lost),
         "never_completed": classes(unfinished),
         "stale_refusals": classes(stale),
+        "over_limit": classes(over),
+        "limited_runs": sum(1 for run in led.runs if policy_of(run["fp"]) == LIMITED),
+        "slots_left": classes(left),
         "locks_left": locks,
         "latency_bound": bound,
         "latency": lat,
@@ -1060,6 +1153,8 @@ def analyse(
             "errors_seen": [o for o in seen if o["class"] not in DOCUMENTED][:5],
             "let_through": [o for o in found_through if o["class"] not in DOCUMENTED][:5],
             "stale_refusals": [o for o in stale if o["class"] not in DOCUMENTED][:5],
+            "over_limit": [o for o in over if o["class"] not in WINDOWS["over_limit"]][:5],
+            "slots_left": [o for o in left if o["class"] not in WINDOWS["slots_left"]][:5],
             "never_ran": [o for o in lost + unfinished if o["class"] not in DOCUMENTED][:5],
         },
     }
@@ -1107,6 +1202,7 @@ def render(result: dict[str, Any]) -> str:
                 "    on an at-least-once broker (must be 0): "
                 f"{counts.get(NEVER_RAN_AT_LEAST_ONCE, 0)}"
             )
+    lines += _limit_lines(result)
     left = result["locks_left"]
     lines.append(f"  locks left one TTL after the end: {len(left)}")
     if left:
@@ -1143,6 +1239,20 @@ def render(result: dict[str, Any]) -> str:
     else:
         lines.append("all invariants held")
     return "\n".join(lines)
+
+
+def _limit_lines(result: dict[str, Any]) -> list[str]:
+    """The lines of the limited task: over the limit, and slots never freed."""
+    return [
+        _counted(
+            f"runs of the limited task ({result['limited_runs']}) over its limit of {LIMIT}",
+            result,
+            "over_limit",
+        ),
+        f"    over the limit (must be 0): {_outside(result, 'over_limit')}",
+        _counted("live places in a limit once everything ended", result, "slots_left"),
+        f"    slots never freed (must be 0): {_outside(result, 'slots_left')}",
+    ]
 
 
 def _counted(title: str, result: dict[str, Any], key: str) -> str:

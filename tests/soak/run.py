@@ -40,6 +40,7 @@ from typing import Any
 
 import redis
 
+from taskiq_deduplication.model.limits import limit_keys, limit_name, limit_pattern
 from tests._server import Server
 from tests.e2e.conftest import Process, Processes, live_processes
 from tests.faults._proxy import Proxy
@@ -342,6 +343,35 @@ class Conductor:
             keys = list(client.scan_iter(match=f"{self.config.lock_prefix}:*", count=1000))
             return [{"key": k, "value": client.get(k), "pttl": client.pttl(k)} for k in keys]
 
+    def limit_places_left(self) -> list[dict[str, Any]]:
+        """Every live place in a limit (a slot held, a place in line), straight from the server.
+
+        Live: its lease (a score, in microseconds) runs beyond the server's ``TIME``.
+        """
+        prefix = self.config.lock_prefix
+        places = []
+        with redis.Redis(port=LOCK_PORT, decode_responses=True, socket_timeout=5) as client:
+            for meta in client.scan_iter(match=limit_pattern(prefix), count=1000):
+                name = limit_name(prefix, meta)
+                if name is None:
+                    continue
+                keys = limit_keys(prefix, name)
+                seconds, micros = client.time()
+                now = seconds * 1_000_000 + micros
+                for kind, key in (("holder", keys.holders), ("waiter", keys.leases)):
+                    for member, deadline in client.zrangebyscore(
+                        key, f"({now}", "+inf", withscores=True
+                    ):
+                        places.append(
+                            {
+                                "limit": name,
+                                "kind": kind,
+                                "member": member,
+                                "deadline": deadline / 1e6,
+                            }
+                        )
+        return places
+
     def save(self) -> None:
         """Write what the conductor saw to the ledger."""
         dsn, schema = self.config.pg_dsn, self.config.schema
@@ -498,6 +528,8 @@ async def soak(options: Options) -> int:
         await asyncio.sleep(wait)
         conductor.sample()
         locks = conductor.locks_left()
+        # Before the workers stop: a run that never ends keeps its slot alive until then.
+        slots = conductor.limit_places_left()
         for worker in list(conductor.workers):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(worker.process.pid, signal.SIGTERM)
@@ -531,7 +563,9 @@ async def soak(options: Options) -> int:
                 **options_dict(options),
                 "fail_open": list(config.fail_open),
                 "redelivery_window": window,
+                "settled_at": settled_at,
             },
+            slots,
         )
         text = report.render(result)
         print(text, flush=True)
