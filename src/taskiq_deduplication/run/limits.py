@@ -18,6 +18,7 @@ worker's other tasks.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import enum
 import functools
@@ -357,6 +358,11 @@ class Limits:
         finally:
             run.entered = True
 
+    async def send_back(self, run: LimitedRun, message: TaskiqMessage, broker: AsyncBroker) -> None:
+        """Send the run marked to go back to the broker (`begin`); a refused one stays, unmarked."""
+        if await self._requeue(run, message, broker):
+            run.entered = True
+
     async def _enter(self, run: LimitedRun, message: TaskiqMessage, broker: AsyncBroker) -> None:
         if run.requeued and await self._requeue(run, message, broker):
             return
@@ -529,7 +535,7 @@ class Limits:
         # asyncio task, and the body to leave out is this delivery's own.
         put_back = leave_out_body(message, _nothing)
         try:
-            await broker.kick(broker.formatter.dumps(message))
+            await broker.kick(broker.formatter.dumps(_as_sent(message)))
         except Exception as exc:  # noqa: BLE001 (any broker's error: the run waits instead)
             put_back()
             run.requeued = False
@@ -596,6 +602,23 @@ class _SentBack(enum.Enum):
 
 _SENT_BACK: Final = _SentBack.SENT_BACK
 """A run in line whose message went back to the broker instead."""
+
+
+def _as_sent(message: TaskiqMessage) -> TaskiqMessage:
+    """``message`` as a kicker sends it: its labels as text, as their types table says them.
+
+    A delivery's labels were parsed back to values (``1``, ``True``); a broker
+    that sends labels as headers (NATS) takes text only.
+    """
+    labels = {name: _label_text(value) for name, value in message.labels.items()}
+    return message.model_copy(update={"labels": labels})
+
+
+def _label_text(value: object) -> str:
+    """A label's value as taskiq's kicker writes it (``prepare_label``)."""
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode()
+    return value if isinstance(value, str) else str(value)
 
 
 async def _nothing(*_args: object, **_kwargs: object) -> None:

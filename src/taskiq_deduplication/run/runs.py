@@ -113,11 +113,11 @@ class Runs:
             return message
         state = self._states.get() or await self._states.current()
         limited = None if rule is None else await self._limits.begin(rule, message, state)
-        if limited is not None and (recorded is None or limited.requeued):
-            # Nothing of a lock to begin, or the run goes back to the broker
-            # before it touches its lock (unless the broker refuses it).
-            await self._limits.enter(limited, message, self._options.broker)
-        if recorded is None or (limited is not None and limited.requeued):
+        if limited is not None and not await self._limit_before_lock(
+            limited, message, locked=recorded is not None
+        ):
+            return message
+        if recorded is None:
             return message
         execution = self._execution(message, recorded, state)
         self._executions.begin(execution)
@@ -143,6 +143,24 @@ class Runs:
                 execution.sent_back = True
                 execution.stop_heartbeat()
         return message
+
+    async def _limit_before_lock(
+        self, limited: LimitedRun, message: TaskiqMessage, *, locked: bool
+    ) -> bool:
+        """What a limited run does before its lock; whether the lock's start follows.
+
+        A run marked to go back goes to the broker before it touches its lock
+        or its limit (one the broker refuses goes on as any other, and waits
+        here); a run without a lock takes its slot now.
+        """
+        if limited.requeued:
+            await self._limits.send_back(limited, message, self._options.broker)
+            if limited.requeued:
+                return False
+        if not locked:
+            await self._limits.enter(limited, message, self._options.broker)
+            return False
+        return True
 
     async def _limit_first(
         self, execution: Execution, limited: LimitedRun, message: TaskiqMessage
