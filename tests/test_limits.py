@@ -9,17 +9,20 @@ Redis. The end-to-end tests with worker processes on the four brokers are in
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
 import pytest
 import redis.asyncio
-from taskiq import InMemoryBroker, TaskiqDepends
+from taskiq import InMemoryBroker, TaskiqDepends, TaskiqMessage
 
 from taskiq_deduplication import DuplicateTaskError, LockEvent, LockEventKind, TaskLock
 from taskiq_deduplication.middleware import loop_states
-from taskiq_deduplication.model.limits import limit_keys
+from taskiq_deduplication.model.limits import limit_keys, limit_name, read_limit
+from taskiq_deduplication.observe.events import EventSink
+from taskiq_deduplication.run.limits import Limits
 from taskiq_deduplication.store.slots import Slot, Taken
 from taskiq_deduplication.store.wakes import Wakes
 from tests._brokers import HoldingBroker
@@ -171,6 +174,9 @@ async def test_key_fields_make_one_limit_per_value(make_broker: BrokerFactory) -
         ({"limit_concurrency": 1, "limit_key": ""}, "limit_key"),
         ({"limit_concurrency": 1, "limit_key_fields": "tenant"}, "limit_key_fields"),
         ({"limit_concurency": 1}, "limit_concurrency"),
+        ({"limit_concurrency": 1, "limit_burst": 2}, "limit_burst"),
+        ({"limit_rate": "1/30h"}, "limit_rate"),
+        ({"limit_rate": "200000/s"}, "limit_rate"),
     ],
 )
 async def test_a_bad_limit_label_fails_the_kiq_and_the_startup_naming_it(
@@ -446,3 +452,95 @@ async def test_runs_that_wait_for_a_limit_start_in_the_order_they_came(
 
 async def _started(order: list[int]) -> bool:
     return bool(order)
+
+
+async def test_a_run_whose_slot_lapsed_under_it_is_told_by_its_refresh(
+    make_broker: BrokerFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    broker = await make_broker(running_ttl=3)  # a refresh every second
+    running = asyncio.Event()
+
+    @broker.task(limit_concurrency=1, deduplication=False)
+    async def long_one() -> None:
+        running.set()
+        await asyncio.sleep(2.5)
+
+    handle = await long_one.kiq()
+    await asyncio.wait_for(running.wait(), timeout=10)
+    # Redis lost the limit (a restart without persistence): the refresh finds no slot.
+    await redis_client.delete(*limit_keys(prefix, long_one.task_name).all)
+    with caplog.at_level(logging.WARNING):
+        await results([handle])
+    assert any("lost its slot" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_bad_limit_label_a_sender_did_not_check_runs_without_its_limit(
+    make_broker: BrokerFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    broker = await make_broker(broker_class=HoldingBroker)
+
+    @broker.task(deduplication=False)
+    async def job() -> str:
+        return "ran"
+
+    handle = await job.kiq()
+    # A sender without this middleware: the label was never checked.
+    broker.queued[0].labels["limit_concurrency"] = "none"
+    message = broker.formatter.loads(broker.queued[0].message)
+    message.labels["limit_concurrency"] = "none"
+    broker.queued[0] = broker.formatter.dumps(message)
+    with caplog.at_level(logging.WARNING):
+        await broker.deliver()
+    assert (await handle.wait_result(timeout=5)).return_value == "ran"
+    assert any("runs without its limit" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("label", "spelt"),
+    [("10/s", "10/s"), ("2/5s", "2/5s"), ("3/m", "3/m"), ("1/120s", "1/2m"), ("4/h", "4/h")],
+)
+def test_a_rate_says_itself_as_its_label_does(label: str, spelt: str) -> None:
+    rule = read_limit({"limit_rate": label})
+    assert rule is not None
+    assert rule.rate is not None
+    assert str(rule.rate) == spelt
+
+
+def test_a_limit_per_key_field_is_named_by_a_digest_of_any_value() -> None:
+    rule = read_limit({"limit_concurrency": 1, "limit_key_fields": ["owner"]})
+    assert rule is not None
+
+    def name(owner: object) -> str:
+        message = TaskiqMessage(
+            task_id="t", task_name="report", labels={}, args=[], kwargs={"owner": owner}
+        )
+        return rule.name_of(message)
+
+    assert name(1.5).startswith("report:")
+    assert name(1.5) == name(1.5)
+    assert len({name(1), name(1.0), name(True), name("1")}) == 4
+    assert "secret" not in name("secret")
+
+
+async def test_key_fields_that_cannot_be_fingerprinted_run_without_their_limit(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    rule = read_limit({"limit_concurrency": 1, "limit_key_fields": ["owner"]})
+    assert rule is not None
+    limits = Limits("test", None, 2, EventSink())
+    message = TaskiqMessage(
+        task_id="t", task_name="report", labels={}, args=[], kwargs={"owner": object()}
+    )
+    with caplog.at_level(logging.WARNING):
+        assert await limits.begin(rule, message, state=None) is None  # type: ignore[arg-type]
+    assert any("cannot be fingerprinted" in r.getMessage() for r in caplog.records)
+
+
+def test_only_a_limit_s_record_names_a_limit() -> None:
+    keys = limit_keys("app", "vendor")
+    assert limit_name("app", keys.meta) == "vendor"
+    assert limit_name("app", keys.holders) is None
+    assert limit_name("other", keys.meta) is None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from taskiq import TaskiqMessage, TaskiqMiddleware, TaskiqResult
@@ -214,7 +215,7 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             self.running_lease,
             self.limit_waiting,
             self._events,
-            lambda: self._metrics,
+            _metrics_of(weakref.ref(self)),
         )
         follow_limits(self, self._limits)
         self._runs = Runs(self, self._states, self._events, self._executions, pending, self._limits)
@@ -447,6 +448,22 @@ class RedisDeduplicationMiddleware(TaskiqMiddleware):
             return self._client, False
         assert self._url is not None  # noqa: S101 (checked in __init__)
         return client_from_url(self._url), True
+
+
+def _metrics_of(
+    middleware: weakref.ReferenceType[RedisDeduplicationMiddleware],
+) -> Callable[[], Metrics | None]:
+    """The metrics ``middleware`` records, read when asked, without keeping it alive.
+
+    The limits are followed by middleware in a weak map (`follow_limits`):
+    a getter that held the middleware would keep it, and its broker, for ever.
+    """
+
+    def metrics() -> Metrics | None:
+        current = middleware()
+        return None if current is None else current._metrics  # noqa: SLF001 (its own)
+
+    return metrics
 
 
 def loop_states(middleware: RedisDeduplicationMiddleware) -> LoopStates:

@@ -161,11 +161,6 @@ def limit_name(prefix: str, meta_key: str) -> str | None:
     return meta_key[len(head) : -len(tail)] or None
 
 
-def has_limit(labels: Mapping[str, Any]) -> bool:
-    """Whether ``labels`` ask for a limit at all (most sends do not)."""
-    return CONCURRENCY_LABEL in labels or RATE_LABEL in labels
-
-
 def read_limit(labels: Mapping[str, Any]) -> LimitRule | None:
     """The limit ``labels`` ask for, or ``None``; strict, as the sender and startup check.
 

@@ -106,15 +106,6 @@ class Room:
         self._runs: set[LimitedRun] = set()
         self._keeper: asyncio.Task[None] | None = None
 
-    def __len__(self) -> int:
-        """The number of limited runs in this loop that hold or wait for a slot."""
-        return len(self._runs)
-
-    @property
-    def holding(self) -> int:
-        """The number of runs in this loop that hold a slot."""
-        return sum(1 for run in self._runs if run.holds)
-
     def wait_more(self, name: str) -> None:
         """One more run of ``name`` waits in this loop."""
         self.waiting[name] = self.waiting.get(name, 0) + 1
