@@ -23,10 +23,13 @@ from taskiq_deduplication.middleware import loop_states
 from taskiq_deduplication.model.limits import limit_keys, limit_name, read_limit
 from taskiq_deduplication.observe.events import EventSink
 from taskiq_deduplication.run.limits import Limits
+from taskiq_deduplication.store.call import RedisFailed
+from taskiq_deduplication.store.lock_store import LockStore
 from taskiq_deduplication.store.slots import Slot, Taken
 from taskiq_deduplication.store.wakes import Wakes
 from tests._brokers import HoldingBroker
 from tests._locks import wait_until
+from tests._server import free_port
 from tests._topologies import all_topologies
 
 if TYPE_CHECKING:
@@ -544,3 +547,36 @@ def test_only_a_limit_s_record_names_a_limit() -> None:
     assert limit_name("app", keys.meta) == "vendor"
     assert limit_name("app", keys.holders) is None
     assert limit_name("other", keys.meta) is None
+
+
+async def test_a_channel_that_cannot_be_subscribed_leaves_its_waiters_to_look_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    client = redis.asyncio.Redis(port=free_port(), socket_connect_timeout=0.5)
+    wakes = Wakes(client)
+    try:
+        with caplog.at_level(logging.WARNING):
+            future, look_again = await wakes.watch("nowhere", "~run task", 0.0)
+        assert look_again  # the refreshes wake it, and it looks once more now
+        assert not future.done()
+        assert any("Could not listen" in r.getMessage() for r in caplog.records)
+        wakes.wake("nowhere", "~run task", 0.25)  # a refresh found its slot handed over
+        assert future.result() == 0.25
+    finally:
+        wakes.forget("nowhere", "~run task")
+        await wakes.close()
+        await client.aclose()
+
+
+async def test_the_slots_of_a_closed_store_answer_that_redis_failed(
+    redis_url: str, prefix: str
+) -> None:
+    client = redis.asyncio.Redis.from_url(redis_url)
+    store = LockStore(client)
+    await store.close()
+    slot = Slot(limit_keys(prefix, "closed"), "task", "~run", 1000)
+    try:
+        assert isinstance(await store.slots.take(slot, 1, None), RedisFailed)
+        assert isinstance(await store.slots.keep([slot]), RedisFailed)
+    finally:
+        await client.aclose()
