@@ -36,6 +36,12 @@ async def lock_keys(client: redis.asyncio.Redis, prefix: str) -> list[str]:
     return sorted([key async for key in client.scan_iter(match=f"{prefix}:*")])
 
 
+async def scripts_run(client: redis.asyncio.Redis) -> int:
+    """Lock scripts Redis ran since the last ``CONFIG RESETSTAT``, by SHA or by body."""
+    stats = await client.info("commandstats")
+    return sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("evalsha", "eval"))
+
+
 async def lock_value(client: redis.asyncio.Redis, key: str) -> str:
     """The value of a lock, ``"<owner token> <task_id>"``; fails if there is none."""
     value = await client.get(key)

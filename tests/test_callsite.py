@@ -36,17 +36,11 @@ from taskiq_deduplication import (
 )
 from taskiq_deduplication.calls import takes_task_lock
 from tests._brokers import BrokerFactory, HoldingBroker, merged_into, queued_job, retry_middleware
-from tests._locks import lock_keys, lock_value, wait_until, without_done
+from tests._locks import lock_keys, lock_value, scripts_run, wait_until, without_done
 from tests._middlewares import MiddlewareFactory, dedup_middleware, each_retry_order, running_beats
 from tests._server import Server
 from tests._topologies import all_topologies
 from tests.test_redis_trouble import FAST
-
-
-async def scripts_run(client: redis.asyncio.Redis) -> int:
-    """Lock scripts Redis ran since the last ``CONFIG RESETSTAT``."""
-    stats = await client.info("commandstats")
-    return sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("evalsha", "eval"))
 
 
 async def refusal(call: Any) -> DuplicateTaskError:

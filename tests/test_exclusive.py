@@ -29,7 +29,7 @@ from taskiq_deduplication import DuplicateTaskError, LockEventKind
 from taskiq_deduplication.model.formats import holder_task_id
 from taskiq_deduplication.store.lock_store import Lock, LockStore
 from tests._brokers import BrokerFactory, HoldingBroker, merged_into, queued_job, retry_middleware
-from tests._locks import answered, lock_keys, lock_value, ready, without_done
+from tests._locks import answered, lock_keys, lock_value, ready, scripts_run, without_done
 from tests._middlewares import MiddlewareFactory, dedup_middleware, running_beats
 from tests._topologies import all_topologies
 
@@ -527,6 +527,125 @@ async def test_a_run_inside_its_own_kiq_holds_its_run_slot_while_its_body_runs(
     assert value.startswith("~")  # the run token holds the slot
     assert refused  # an identical call during the run is a duplicate
     assert await lock_keys(redis_client, prefix) == []  # released at the end
+
+
+async def test_a_run_inside_its_own_kiq_begins_on_the_lock_its_send_took_for_it(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    """The send's acquire writes the run's value on the run's lease: the run claims nothing.
+
+    A life cycle costs the acquire and the finish (issue 32); the lock never
+    had the grace TTL of a send in flight.
+    """
+    broker = await make_broker(await_inplace=True, running_ttl=20)
+    seen: list[tuple[str, int]] = []
+
+    @broker.task(task_name=None, deduplication_ttl=60)
+    async def job(n: int) -> int:
+        (key,) = await lock_keys(redis_client, prefix)
+        seen.append((await lock_value(redis_client, key), await redis_client.pttl(key)))
+        return n
+
+    await redis_client.config_resetstat()
+    await job.kiq(n=1)
+    await dedup_middleware(broker).shutdown()  # sends what is queued
+    ((value, ttl_ms),) = seen
+    assert value.startswith("~")
+    assert not value.endswith("!")  # no send in flight: the run goes on
+    assert 10_000 < ttl_ms <= 20_000  # the run's lease: not the grace TTL, nor the full TTL
+    assert await scripts_run(redis_client) == 2  # acquire, finish
+    assert await lock_keys(redis_client, prefix) == []
+
+
+class _SlowStart(TaskiqMiddleware):
+    """Before ours: a run that begins ``delay`` seconds after its send took its lock."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    async def pre_execute(self, message: TaskiqMessage) -> TaskiqMessage:
+        await asyncio.sleep(self.delay)
+        return message
+
+
+async def test_a_run_inside_its_own_kiq_that_begins_late_claims_its_lock(
+    make_broker: BrokerFactory,
+    make_middleware: MiddlewareFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+) -> None:
+    """Past half the lease its send took the lock on, the lock may have lapsed: the run claims.
+
+    The claim finds the run's own value (its send wrote it) and the run begins.
+    """
+    broker = await make_broker(await_inplace=True, middlewares=[_SlowStart(0.6), make_middleware()])
+    ran: list[int] = []
+
+    @broker.task(task_name=None, deduplication_ttl=1)  # a lease of 1 s: half of it is 0.5 s
+    async def job(n: int) -> None:
+        ran.append(n)
+
+    await redis_client.config_resetstat()
+    await job.kiq(n=1)
+    await dedup_middleware(broker).shutdown()
+    assert ran == [1]
+    assert await scripts_run(redis_client) == 3  # acquire, claim, finish
+    assert await lock_keys(redis_client, prefix) == []
+
+
+class _RefusingStart(TaskiqMiddleware):
+    """Before ours: a run that never begins (its hook raises inside the broker's kick)."""
+
+    async def pre_execute(self, message: TaskiqMessage) -> TaskiqMessage:
+        msg = "no run today"
+        raise RuntimeError(msg)
+
+
+async def test_a_lock_taken_for_a_run_that_never_began_goes_with_the_failed_kiq(
+    make_broker: BrokerFactory,
+    make_middleware: MiddlewareFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+) -> None:
+    """The kiq fails: the lock its send took, under the run's value, is released at once."""
+    middlewares = [_RefusingStart(), make_middleware()]
+    broker = await make_broker(await_inplace=True, middlewares=middlewares)
+
+    @broker.task(task_name=None, deduplication_ttl=60)
+    async def job(n: int) -> None: ...
+
+    with pytest.raises(SendTaskError):
+        await job.kiq(n=1)
+    await dedup_middleware(broker).shutdown()  # sends the queued release
+    assert await lock_keys(redis_client, prefix) == []
+
+
+class _DroppingBroker(InMemoryBroker):
+    """An in-process broker that loses what it is sent, and says nothing."""
+
+    async def kick(self, message: BrokerMessage) -> None:
+        pass
+
+
+async def test_a_lock_taken_for_a_run_that_never_began_lives_its_lease(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    """A broker took the message and never ran it: the lease frees the lock, not the TTL."""
+    broker = await make_broker(broker_class=_DroppingBroker, await_inplace=True, running_ttl=20)
+
+    @broker.task(task_name=None, deduplication_ttl=600)
+    async def job(n: int) -> None: ...
+
+    await redis_client.config_resetstat()
+    await job.kiq(n=1)
+    await dedup_middleware(broker).shutdown()  # sends what is queued
+    assert await scripts_run(redis_client) == 1  # no extension: the lock is the run's
+    (key,) = await lock_keys(redis_client, prefix)
+    assert (await lock_value(redis_client, key)).startswith("~")
+    assert 0 < await redis_client.pttl(key) <= 20_000
+    with pytest.raises(DuplicateTaskError):  # still a duplicate while it lives
+        await job.kiq(n=1)
 
 
 class _SlowSend(TaskiqMiddleware):

@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: What the claim of a run that begins with its lock its own finds (as most do).
+_BEGUN: Final = Claimed()
 _VERBS: Final = {Step.REASSERT: "re-assert", Step.REMEMBER: "release", Step.RELEASE: "release"}
 # What a claim script does at the start of a run, for each policy's step.
 _CLAIM_STEPS: Final = {Step.REASSERT: "reassert", Step.RELEASE: "release"}
@@ -81,6 +83,9 @@ class SendsInFlight(Protocol):
 
     def end_failed(self, lock: Lock) -> None:
         """The end of ``lock`` failed: its send's ``post_send`` extends it after all."""
+
+    def run_taken(self, lock: Lock) -> tuple[Lock, bool] | None:
+        """The run slot the send of ``lock`` took for its run, and whether it surely holds still."""
 
 
 class Runs:
@@ -190,7 +195,7 @@ class Runs:
         lock = Lock(recorded.key, recorded.token, message.task_id, recorded.ttl * 1000)
         execution = Execution(
             lock,
-            self._lease(message, lock) if policy.heartbeat else lock,
+            self.lease_of(message, lock) if policy.heartbeat else lock,
             policy,
             recorded.success_ttl if policy.remembers_success else 0,
             message.task_name,
@@ -209,6 +214,16 @@ class Runs:
         run = self._run_slot(execution, recorded, execution.state) if recorded.exclusive else None
         if run is not None:
             execution.done = self._done(execution, recorded, execution.state)
+            if run.key == execution.lease.key:
+                taken = self._pending.run_taken(execution.lock)
+                if taken is not None:
+                    # Its send took the lock for this run, moments ago, inside
+                    # kiq(): it begins without a claim while that lease surely
+                    # holds; later, its claim finds the run's own value there.
+                    run, fresh = taken
+                    if fresh:
+                        self._begun(execution, recorded, message, run, _BEGUN)
+                        return
         if run is not None or recorded.merge is not None or recorded.fence is not None:
             await self._claim(execution, recorded, message, run)
         elif execution.policy.at_start is Step.REASSERT:
@@ -569,7 +584,7 @@ class Runs:
             )
         running.run = None
 
-    def _lease(self, message: TaskiqMessage, lock: Lock) -> Lock:
+    def lease_of(self, message: TaskiqMessage, lock: Lock) -> Lock:
         """The lock as its running task keeps it: on the running lease, if there is one."""
         seconds = settings.read_running_ttl(message.labels, default=self._options.running_lease)
         if seconds is None or seconds * 1000 >= lock.ttl_ms or not self._options.heartbeat:

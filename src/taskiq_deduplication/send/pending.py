@@ -10,6 +10,7 @@ in-memory broker runs the task inside ``kiq``): it marks the record, and
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
@@ -48,6 +49,13 @@ class PendingSend:
     outer: PendingSend | None = None
     """A send of the same lock value still in flight around this one (a retry
     sent from inside a run that an in-memory broker runs inside ``kiq``)."""
+    run: Lock | None = None
+    """The run slot its acquire took for the run an in-process broker begins
+    inside ``kiq()``: Redis has the run's value in the lock already, on the
+    run's lease, so the run begins without a claim of its own."""
+    run_until: float = 0.0
+    """Until when (``time.monotonic()``) that lease surely holds: half of it,
+    counted from before the acquire was sent."""
 
 
 class PendingSends:
@@ -78,6 +86,19 @@ class PendingSends:
         if send is not None and send.outer is not None:
             self._by_value[value] = send.outer
         return send
+
+    def run_taken(self, lock: Lock) -> tuple[Lock, bool] | None:
+        """The run slot the send of ``lock`` took for its run, and whether it surely holds still.
+
+        Asked once, by the run that begins inside the send's ``kiq()``; a
+        slot that may have lapsed (the run began late) is claimed as any other.
+        """
+        send = self._by_value.get(lock.value)
+        if send is None or send.run is None:
+            return None
+        fresh = time.monotonic() < send.run_until
+        send.run_until = 0.0
+        return send.run, fresh
 
     def end(self, lock: Lock) -> bool:
         """Note that a run ends ``lock``; whether a send of it is still in flight."""

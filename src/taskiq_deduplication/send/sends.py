@@ -13,10 +13,11 @@ from __future__ import annotations
 import base64
 import dataclasses
 import logging
+import time
 from typing import TYPE_CHECKING, Final
 
 from redis.asyncio.cluster import RedisCluster
-from taskiq import TaskiqMessage
+from taskiq import InMemoryBroker, TaskiqMessage
 
 from taskiq_deduplication.calls import joining, takes_task_lock
 from taskiq_deduplication.exceptions import (
@@ -40,7 +41,7 @@ from taskiq_deduplication.model.formats import (
     write_lock_labels,
 )
 from taskiq_deduplication.model.limits import LIMIT_LABEL_START, read_limit
-from taskiq_deduplication.model.policies import RetrySend
+from taskiq_deduplication.model.policies import RetrySend, Step
 from taskiq_deduplication.observe import refusals
 from taskiq_deduplication.observe.events import LockEventKind
 from taskiq_deduplication.run.execution import Executions, Resent
@@ -91,7 +92,8 @@ class Sends:
 
     async def pre_send(self, message: TaskiqMessage) -> TaskiqMessage:
         """Take the task's lock before the message goes to the broker (see the hook)."""
-        if any(label.startswith(LIMIT_LABEL_START) for label in message.labels):
+        limited = any(label.startswith(LIMIT_LABEL_START) for label in message.labels)
+        if limited:
             read_limit(message.labels)  # a bad limit fails the kiq, as a bad lock label does
         send = settings.read_send_options(message.labels, self._defaults)
         if send is None:
@@ -107,8 +109,20 @@ class Sends:
         )
         if plan.keeps:
             return await self._keep(plan)
-        lock = Lock(plan.key, new_token(plan.digest), message.task_id, send.ttl * 1000)
-        acquired = await self._acquire(plan, lock)
+        return await self._take(plan, limited=limited)
+
+    async def _take(self, plan: SendPlan, *, limited: bool) -> TaskiqMessage:
+        """Take the send's own lock (a first send, or a retry that takes one), or be refused.
+
+        Raises:
+            DuplicateTaskError: The call is refused.
+        """
+        message = plan.message
+        lock = Lock(plan.key, new_token(plan.digest), message.task_id, plan.options.ttl * 1000)
+        # A limited run takes its slot in its claim's round trip: it keeps its claim.
+        run_ttl_ms = 0 if limited else self._run_lease_at_send(plan, lock)
+        sent_at = time.monotonic()
+        acquired = await self._acquire(plan, lock, run_ttl_ms)
         if acquired is None:  # Redis failed, and fail_open lets the send go
             return self._without_lock(plan)
         if acquired.holder is not None:
@@ -128,14 +142,16 @@ class Sends:
         self._record(plan, lock.token, acquired.fence)
         if self._events.active:  # inline: the one point every accepted send passes
             self._outcome(LockEventKind.LOCKED, message, plan.key, message.task_id)
-        self._pending.add(
-            PendingSend(
-                lock,
-                plan.merge_key,
-                extends=lock.ttl_ms > GRACE_TTL * 1000,  # else the grace TTL is its TTL
-                taken=True,
-            )
+        pending = PendingSend(
+            lock,
+            plan.merge_key,
+            extends=lock.ttl_ms > GRACE_TTL * 1000,  # else the grace TTL is its TTL
+            taken=True,
         )
+        if acquired.run_token is not None:
+            pending.run = Lock(plan.key, acquired.run_token, message.task_id, run_ttl_ms)
+            pending.run_until = sent_at + run_ttl_ms / 2000
+        self._pending.add(pending)
         return message
 
     async def post_send(self, message: TaskiqMessage) -> None:
@@ -143,6 +159,10 @@ class Sends:
         send = self._pending.take(message.labels, message.task_id) or self._forgotten(message)
         if send is None or send.ended:
             return  # sent without a lock, or its run ended the lock already
+        if send.run is not None:
+            # Taken for a run inside kiq() that never began (the broker dropped
+            # the message): nothing waits in a queue, and its lease frees it.
+            return
         lock = send.lock
         # A lock this send took tells that a broker accepted it (the extension
         # says so), even one whose TTL the extension leaves as it is.
@@ -188,7 +208,7 @@ class Sends:
             message.task_id,
             type(error).__name__,
         )
-        state.locks.release_unsent(send.lock, send.merged_key)
+        state.locks.release_unsent(send.run or send.lock, send.merged_key)
 
     def _forgotten(self, message: TaskiqMessage) -> PendingSend | None:
         """The send of ``message`` as its labels record it, when its record was forgotten.
@@ -216,8 +236,36 @@ class Sends:
             return None
         return keys.lock_key_of(self._options.key_prefix, message, send)
 
-    async def _acquire(self, plan: SendPlan, lock: Lock) -> Acquired | None:
+    def _run_lease_at_send(self, plan: SendPlan, lock: Lock) -> int:
+        """The lease (ms) to take ``lock`` on for a run that begins inside this ``kiq()``, or 0.
+
+        An in-process broker that awaits the run inside its ``kick``
+        (``InMemoryBroker(await_inplace=True)``) begins the run of a first send
+        moments after its acquire. Its lock is then taken as the run's claim
+        would leave it, and the run skips that round trip: only a first send
+        (no attempt's lock to carry on, so no copy or success to look for) of a
+        plain exclusive ``"finished"`` lock (the lock its own run slot; no
+        merged arguments, no fence, no limit).
+        """
+        send = plan.options
+        broker = getattr(self._options, "broker", None)
+        if (
+            plan.earlier is not None
+            or not send.exclusive
+            or send.policy.at_start is not Step.REASSERT
+            or send.merge is not None
+            or plan.fenced
+            or not isinstance(broker, InMemoryBroker)
+            or not broker.await_inplace
+        ):
+            return 0
+        return self._runs.lease_of(plan.message, lock).ttl_ms
+
+    async def _acquire(self, plan: SendPlan, lock: Lock, run_ttl_ms: int = 0) -> Acquired | None:
         """Take ``lock`` for the grace TTL, with its merged arguments and fence if it has them.
+
+        ``run_ttl_ms`` above 0: take it for the run inside this ``kiq()`` instead
+        (`_run_lease_at_send`).
 
         A Redis error raises, or with ``fail_open`` is logged and gives ``None``.
 
@@ -252,6 +300,7 @@ class Sends:
                 send.policy.name,
                 message.task_name if self._options.record_task_name else None,
             ),
+            run_ttl_ms=run_ttl_ms,
         )
         if isinstance(acquired, RedisFailed):
             if not self._options.fail_open:

@@ -29,7 +29,12 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from taskiq_deduplication.exceptions import CallTimeoutError
-from taskiq_deduplication.model.formats import lock_value, recorded_token, unsent_value
+from taskiq_deduplication.model.formats import (
+    lock_value,
+    new_run_token,
+    recorded_token,
+    unsent_value,
+)
 from taskiq_deduplication.store.call import REDIS_FAILURES, RedisFailed
 from taskiq_deduplication.store.pipeline import (
     Pipeline,
@@ -123,6 +128,9 @@ class Acquired:
     """Whether the call's arguments replaced those of the queued holder."""
     pending: bool = False
     """Whether the holder merges calls but its message is not accepted yet."""
+    run_token: str | None = None
+    """When the lock was taken for a run that begins at once (``run_ttl_ms``):
+    the run's token, which Redis has in the lock's value."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,6 +259,7 @@ class LockStore:
         task_name: str = "",
         record: str = "",
         undo_late: bool = True,
+        run_ttl_ms: int = 0,
     ) -> Acquired | RedisFailed:
         """Take ``lock`` for ``ttl_ms`` milliseconds; one script, one round trip.
 
@@ -273,22 +282,33 @@ class LockStore:
             undo_late: Whether to undo an acquire that may land late (off for
                 a tick sent without its lock: a late lock only holds back the
                 other replicas).
+            run_ttl_ms: Above 0, the lock is taken for a run of the send that
+                begins at once, in this process (an in-process broker runs the
+                task inside ``kiq()``): Redis gets the run's value, as the run's
+                claim would write it (`Acquired.run_token`), for this TTL (the
+                run's lease) instead of ``ttl_ms``. Only a plain lock (no merged
+                arguments, no fence) is taken so.
         """
         token = lock.token
         value = lock.value
+        run_token = None
         if record:
             # The record's time is the sender's clock (what the locks page shows
             # as the lock's age): asking the server for it cost every acquire a
             # TIME and the string work around it.
             token = recorded_token(token, time.time_ns() // 1_000_000, record)
             value = unsent_value(token, lock.task_id)
+        if run_ttl_ms:
+            run_token = new_run_token(token)
+            value = lock_value(run_token, lock.task_id)
+            ttl_ms = run_ttl_ms
         try:
             if merge_key is None and fence_key is None:
                 reply = await self._pipeline.call(
                     self._acquire, [lock.key], [value, ttl_ms, replaces]
                 )
                 if reply == 1:
-                    return Acquired(None, token=token)
+                    return Acquired(None, token=token, run_token=run_token)
                 return Acquired(text(reply))
             keys = _keys_of(lock, merge_key, fence_key)
             args: list[str | int] = [
@@ -304,7 +324,8 @@ class LockStore:
             status, value = await self._pipeline.call(self._acquire_with, keys, args)
         except (RedisTimeoutError, asyncio.TimeoutError, asyncio.CancelledError) as exc:
             if undo_late and not (isinstance(exc, CallTimeoutError) and not exc.sent):
-                self.release_detached(lock)
+                undone = lock if run_token is None else Lock(lock.key, run_token, lock.task_id, 0)
+                self.release_detached(undone)
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return RedisFailed(exc)
