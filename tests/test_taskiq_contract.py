@@ -585,3 +585,48 @@ async def _delivered_once(broker: InMemoryBroker, task_name: str) -> list[bool]:
     await broker.receiver.callback(message=AckableMessage(data=message, ack=ack))
     await drain(broker)
     return acked
+
+
+def test_a_delivery_copies_its_task_whole_whatever_its_class() -> None:
+    """Each delivery's copy of its task (`watch_deliveries`) has every attribute, and is its own.
+
+    The registered task's ``__dict__`` is copied into a new object of its class
+    (the copy is made for every delivery); a class that keeps values in slots
+    or copies itself its own way is copied as ``copy.copy`` does.
+    """
+    from taskiq_deduplication.run.copies import _copy  # noqa: PLC0415 (private, tested here)
+
+    broker = InMemoryBroker()
+
+    @broker.task(some_label="x")
+    async def job(n: int) -> int:
+        return n
+
+    task = broker.find_task(job.task_name)
+    assert task is not None
+    delivered = _copy(task)
+    assert delivered is not task
+    assert type(delivered) is type(task)
+    assert vars(delivered) == vars(task)
+    delivered.original_func = print
+    assert task.original_func is not print  # the registered task is left as it was
+
+    class Slotted:
+        __slots__ = ("__dict__", "func")
+
+        def __init__(self) -> None:
+            self.func = "body"
+            self.name = "job"
+
+    class OwnCopy:
+        def __init__(self) -> None:
+            self.copies = 0
+
+        def __copy__(self) -> OwnCopy:
+            made = OwnCopy()
+            made.copies = self.copies + 1
+            return made
+
+    slotted = _copy(Slotted())  # type: ignore[arg-type]
+    assert (slotted.func, slotted.name) == ("body", "job")  # type: ignore[attr-defined]
+    assert _copy(OwnCopy()).copies == 1  # type: ignore[arg-type,attr-defined]

@@ -70,11 +70,45 @@ def watch_deliveries(broker: AsyncBroker) -> None:
             current = None
         if task is None or current is None:
             return task
-        delivered = copy.copy(task)
+        delivered = _copy(task)
         _DELIVERED.set((current, delivered))
         return delivered
 
     broker.find_task = find_task  # type: ignore[method-assign]
+
+
+def _copy(task: AsyncTaskiqDecoratedTask[Any, Any]) -> AsyncTaskiqDecoratedTask[Any, Any]:
+    """A shallow copy of a registered task, made for every delivery.
+
+    A taskiq task is a plain object with a ``__dict__``: a new one with the same
+    dict costs under 1 us, where ``copy.copy`` (which asks the class how to copy
+    itself) costs 2. A task class with slots or a copy of its own is copied
+    the general way.
+    """
+    cls = type(task)
+    plain = _PLAIN.get(cls)
+    if plain is None:
+        plain = _PLAIN[cls] = (
+            getattr(cls, "__copy__", None) is None
+            and hasattr(task, "__dict__")
+            and not any(_slots(kind) for kind in cls.__mro__)
+        )
+    if not plain:
+        return copy.copy(task)
+    delivered = cls.__new__(cls)
+    delivered.__dict__.update(task.__dict__)
+    return delivered
+
+
+#: Whether each task class met so far is copied through its ``__dict__`` alone.
+_PLAIN: dict[type, bool] = {}
+
+
+def _slots(kind: type) -> set[str]:
+    """The slots ``kind`` declares that hold values (``typing.Generic`` declares none)."""
+    slots = vars(kind).get("__slots__", ())
+    names = {slots} if isinstance(slots, str) else set(slots)
+    return names - {"__dict__", "__weakref__"}
 
 
 def leave_out_body(

@@ -11,7 +11,6 @@ refuses it, the lock goes at once.
 from __future__ import annotations
 
 import base64
-import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Final
@@ -128,7 +127,8 @@ class Sends:
         if acquired.holder is not None:
             return self._held(plan, acquired)
         if acquired.token is not None:  # the token its record made
-            lock = dataclasses.replace(lock, token=acquired.token)
+            # Built, not dataclasses.replace(): that costs a kiq 2 us of its own.
+            lock = Lock(lock.key, acquired.token, lock.task_id, lock.ttl_ms)
         running = plan.running
         if plan.earlier is not None:
             logger.debug(
