@@ -621,18 +621,19 @@ async def test_a_lock_taken_for_a_run_that_never_began_goes_with_the_failed_kiq(
     assert await lock_keys(redis_client, prefix) == []
 
 
-class _DroppingBroker(InMemoryBroker):
-    """An in-process broker that loses what it is sent, and says nothing."""
-
-    async def kick(self, message: BrokerMessage) -> None:
-        pass
-
-
 async def test_a_lock_taken_for_a_run_that_never_began_lives_its_lease(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    """A broker took the message and never ran it: the lease frees the lock, not the TTL."""
-    broker = await make_broker(broker_class=_DroppingBroker, await_inplace=True, running_ttl=20)
+    """The broker's receiver dropped the message (one it cannot parse): the lease frees the lock.
+
+    Nothing waits in a queue, so the lock does not get the full TTL of a queued message.
+    """
+    broker = await make_broker(await_inplace=True, running_ttl=20)
+
+    async def dropped(*_args: object, **_kwargs: object) -> None:
+        pass
+
+    broker.receiver.callback = dropped  # type: ignore[method-assign]
 
     @broker.task(task_name=None, deduplication_ttl=600)
     async def job(n: int) -> None: ...
@@ -646,6 +647,25 @@ async def test_a_lock_taken_for_a_run_that_never_began_lives_its_lease(
     assert 0 < await redis_client.pttl(key) <= 20_000
     with pytest.raises(DuplicateTaskError):  # still a duplicate while it lives
         await job.kiq(n=1)
+
+
+async def test_an_in_place_broker_with_a_kick_of_its_own_takes_the_lock_as_a_send(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    """A subclass whose ``kick`` may not run the task at once: its queued lock is a send's."""
+    broker = await make_broker(broker_class=HoldingBroker, await_inplace=True, running_ttl=20)
+
+    @broker.task(task_name=None, deduplication_ttl=600)
+    async def job(n: int) -> int:
+        return n
+
+    await job.kiq(n=1)
+    await dedup_middleware(broker).shutdown()  # sends the extension
+    (key,) = await lock_keys(redis_client, prefix)
+    assert not (await lock_value(redis_client, key)).startswith("~")
+    assert await redis_client.pttl(key) > 500_000  # the full TTL of a queued message
+    await broker.deliver()
+    assert await lock_keys(redis_client, prefix) == []
 
 
 class _SlowSend(TaskiqMiddleware):
