@@ -32,6 +32,7 @@ from tests._brokers import BrokerFactory, HoldingBroker, merged_into, queued_job
 from tests._locks import answered, lock_keys, lock_value, ready, scripts_run, without_done
 from tests._middlewares import MiddlewareFactory, dedup_middleware, running_beats
 from tests._topologies import all_topologies
+from tests.benchmarks.harness import Traffic
 
 
 class Runs:
@@ -532,29 +533,70 @@ async def test_a_run_inside_its_own_kiq_holds_its_run_slot_while_its_body_runs(
 async def test_a_run_inside_its_own_kiq_begins_on_the_lock_its_send_took_for_it(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    """The send's acquire writes the run's value on the run's lease: the run claims nothing.
+    """The send's acquire writes the run's value: the run begins without waiting for a claim.
 
-    A life cycle costs the acquire and the finish (issue 32); the lock never
-    had the grace TTL of a send in flight.
+    The value is marked in flight, on the grace TTL, until the run sets its
+    lease on the way: a life cycle waits for 2 round trips (the acquire, the
+    finish), not 3 (issue 32).
     """
     broker = await make_broker(await_inplace=True, running_ttl=20)
     seen: list[tuple[str, int]] = []
 
     @broker.task(task_name=None, deduplication_ttl=60)
     async def job(n: int) -> int:
-        (key,) = await lock_keys(redis_client, prefix)
-        seen.append((await lock_value(redis_client, key), await redis_client.pttl(key)))
+        if n == 1:  # the run that looks (its own reads are round trips too)
+            await asyncio.sleep(0.05)  # the lease, set on the way, has landed
+            (key,) = await lock_keys(redis_client, prefix)
+            seen.append((await lock_value(redis_client, key), await redis_client.pttl(key)))
         return n
 
-    await redis_client.config_resetstat()
     await job.kiq(n=1)
-    await dedup_middleware(broker).shutdown()  # sends what is queued
     ((value, ttl_ms),) = seen
     assert value.startswith("~")
-    assert not value.endswith("!")  # no send in flight: the run goes on
+    assert not value.endswith("!")  # the run goes on: its send is no longer in flight
     assert 10_000 < ttl_ms <= 20_000  # the run's lease: not the grace TTL, nor the full TTL
-    assert await scripts_run(redis_client) == 2  # acquire, finish
+    traffic = Traffic()
+    traffic.install()
+    try:
+        await job.kiq(n=2)
+    finally:
+        traffic.uninstall()
+    await dedup_middleware(broker).shutdown()  # sends what is queued
+    # Waited for: the acquire and the finish; the lease went along with the finish.
+    assert (traffic.round_trips, traffic.commands) == (2, 3)
     assert await lock_keys(redis_client, prefix) == []
+
+
+async def test_a_duplicate_of_a_call_whose_run_is_about_to_begin_in_its_kiq_hears_it_is_unsent(
+    make_broker: BrokerFactory, make_middleware: MiddlewareFactory
+) -> None:
+    """While the send that took the lock for its run is in flight, a refusal says so."""
+    middlewares = [make_middleware(), _SlowSendBefore(0.3)]
+    broker = await make_broker(await_inplace=True, middlewares=middlewares)
+
+    @broker.task(task_name=None, deduplication_ttl=60)
+    async def job(n: int) -> None: ...
+
+    async def duplicate() -> DuplicateTaskError:
+        await asyncio.sleep(0.1)  # the first send holds the lock, its kick not begun
+        with pytest.raises(DuplicateTaskError) as refused:
+            await job.kiq(n=1)
+        return refused.value
+
+    _, refusal = await asyncio.gather(job.kiq(n=1), duplicate())
+    assert refusal.holder_sent is False
+
+
+class _SlowSendBefore(TaskiqMiddleware):
+    """After ours: a send that takes ``delay`` seconds before the broker gets it."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    async def pre_send(self, message: TaskiqMessage) -> TaskiqMessage:
+        await asyncio.sleep(self.delay)
+        return message
 
 
 class _SlowStart(TaskiqMiddleware):
@@ -575,14 +617,14 @@ async def test_a_run_inside_its_own_kiq_that_begins_late_claims_its_lock(
     redis_client: redis.asyncio.Redis,
     prefix: str,
 ) -> None:
-    """Past half the lease its send took the lock on, the lock may have lapsed: the run claims.
+    """Past half the grace TTL its send took the lock for, the lock may have lapsed: the run claims.
 
     The claim finds the run's own value (its send wrote it) and the run begins.
     """
     broker = await make_broker(await_inplace=True, middlewares=[_SlowStart(0.6), make_middleware()])
     ran: list[int] = []
 
-    @broker.task(task_name=None, deduplication_ttl=1)  # a lease of 1 s: half of it is 0.5 s
+    @broker.task(task_name=None, deduplication_ttl=1)  # a grace TTL of 1 s: half of it is 0.5 s
     async def job(n: int) -> None:
         ran.append(n)
 
@@ -590,7 +632,7 @@ async def test_a_run_inside_its_own_kiq_that_begins_late_claims_its_lock(
     await job.kiq(n=1)
     await dedup_middleware(broker).shutdown()
     assert ran == [1]
-    assert await scripts_run(redis_client) == 3  # acquire, claim, finish
+    assert await scripts_run(redis_client) == 3  # acquire, claim (it waited for it), finish
     assert await lock_keys(redis_client, prefix) == []
 
 
@@ -624,7 +666,7 @@ async def test_a_lock_taken_for_a_run_that_never_began_goes_with_the_failed_kiq(
 async def test_a_lock_taken_for_a_run_that_never_began_lives_its_lease(
     make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
 ) -> None:
-    """The broker's receiver dropped the message (one it cannot parse): the lease frees the lock.
+    """The broker's receiver dropped the message (one it cannot parse): the grace TTL frees it.
 
     Nothing waits in a queue, so the lock does not get the full TTL of a queued message.
     """
@@ -644,7 +686,7 @@ async def test_a_lock_taken_for_a_run_that_never_began_lives_its_lease(
     assert await scripts_run(redis_client) == 1  # no extension: the lock is the run's
     (key,) = await lock_keys(redis_client, prefix)
     assert (await lock_value(redis_client, key)).startswith("~")
-    assert 0 < await redis_client.pttl(key) <= 20_000
+    assert 0 < await redis_client.pttl(key) <= 10_000
     with pytest.raises(DuplicateTaskError):  # still a duplicate while it lives
         await job.kiq(n=1)
 
@@ -666,6 +708,48 @@ async def test_an_in_place_broker_with_a_kick_of_its_own_takes_the_lock_as_a_sen
     assert await redis_client.pttl(key) > 500_000  # the full TTL of a queued message
     await broker.deliver()
     assert await lock_keys(redis_client, prefix) == []
+
+
+class _FailingSend(TaskiqMiddleware):
+    """After ours: a send that a later middleware refuses before the broker gets it."""
+
+    async def pre_send(self, message: TaskiqMessage) -> TaskiqMessage:
+        msg = "refused by a later middleware"
+        raise RuntimeError(msg)
+
+
+@pytest.mark.parametrize(
+    ("heartbeat", "later"),
+    [(True, "refuses"), (False, "refuses"), (False, "is cancelled")],
+)
+async def test_a_send_that_fails_after_taking_the_lock_for_its_run_leaves_the_grace_ttl(
+    make_broker: BrokerFactory,
+    make_middleware: MiddlewareFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+    heartbeat: bool,
+    later: str,
+) -> None:
+    """Design rule 4 holds for a lock taken for the run inside kiq() (found in review).
+
+    No kick, so neither post_send nor the refusal runs: the lock is left to its
+    TTL, which is the grace TTL, not the run's lease nor (without the
+    heartbeat) the full TTL; it says its send was never accepted.
+    """
+    after = _FailingSend() if later == "refuses" else _SlowSendBefore(5)
+    broker = await make_broker(
+        await_inplace=True, middlewares=[make_middleware(heartbeat=heartbeat), after]
+    )
+
+    @broker.task(task_name=None, deduplication_ttl=600)
+    async def job(n: int) -> None: ...
+
+    with pytest.raises(RuntimeError if later == "refuses" else asyncio.TimeoutError):
+        await asyncio.wait_for(job.kiq(n=1), 0.5)
+    await dedup_middleware(broker).shutdown()
+    (key,) = await lock_keys(redis_client, prefix)
+    assert (await lock_value(redis_client, key)).endswith("!")  # in flight, never accepted
+    assert 0 < await redis_client.pttl(key) <= 10_000
 
 
 class _SlowSend(TaskiqMiddleware):
@@ -700,6 +784,40 @@ async def test_runs_inside_their_own_kiq_do_not_overlap_when_a_slow_send_outlive
     await asyncio.gather(job.kiq(1), second())
     assert len(runs.spans) == 2
     assert runs.overlaps() == 0
+
+
+async def test_a_claim_finds_the_run_value_its_send_took_and_begins_under_any_token(
+    redis_url: str, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    """A run whose send took the lock for it begins on that value, whatever run token it holds.
+
+    The run that began late, or whose process forgot which run token its send
+    drew (more sends in flight than it remembers), claims: the value is its
+    task's, marked in flight, which only such a send writes. Another task's
+    run waits for it.
+    """
+    client = redis.asyncio.Redis.from_url(redis_url)
+    store = LockStore(client)
+    await ready(store)
+    try:
+        lock = Lock(f"{prefix}:inplace", "tok", "task-1", 600_000)
+        taken = answered(await store.acquire(lock, 10_000, record="f", for_run=True))
+        assert taken.holder is None
+        assert taken.run_token is not None
+        assert (await lock_value(redis_client, lock.key)).endswith(" task-1!")
+        sent = Lock(lock.key, taken.token or "", "task-1", 30_000)
+        other = Lock(lock.key, "oth/1/f", "task-2", 30_000)
+        elsewhere = Lock(lock.key, "~x/1/f", "task-2", 30_000)
+        waits = answered(await store.claim(other, step="reassert", run=elsewhere))
+        assert waits.wait_ms > 0  # another task's run waits for it
+        run = Lock(lock.key, "~fresh/1/f", "task-1", 30_000)
+        begun = answered(await store.claim(sent, step="reassert", run=run))
+        assert (begun.wait_ms, begun.skipped_for) == (0, None)
+        assert await lock_value(redis_client, lock.key) == run.value  # no "!" after it
+        assert 20_000 < await redis_client.pttl(lock.key) <= 30_000  # the run's lease
+    finally:
+        await store.close()
+        await client.aclose()
 
 
 @pytest.mark.parametrize("policy", ["finished", "started", "expired"])

@@ -159,9 +159,9 @@ async def test_round_trips_of_each_policy(
     [
         # acquire, then the run inside kiq(), then the send's extension, unless
         # the run already replaced or ended the send's lock:
-        ("finished", True, 2),  # the acquire wrote the run's value: no claim, no extension
+        ("finished", True, 3),  # the acquire wrote the run's value; the run set its lease
         ("finished", False, 3),  # the release ended it
-        ("finished+success_ttl", True, 2),
+        ("finished+success_ttl", True, 3),
         ("finished+success_ttl", False, 3),  # kept for the success TTL, not stretched
         ("started", True, 3),  # the claim released it
         ("started", False, 2),  # released at start

@@ -218,10 +218,12 @@ class Runs:
                 taken = self._pending.run_taken(execution.lock)
                 if taken is not None:
                     # Its send took the lock for this run, moments ago, inside
-                    # kiq(): it begins without a claim while that lease surely
-                    # holds; later, its claim finds the run's own value there.
+                    # kiq(): while that surely holds, the run begins and sets
+                    # its lease on the way (the mark of a send in flight goes
+                    # with it); later, its claim finds the run's own value there.
                     run, fresh = taken
                     if fresh:
+                        await execution.state.locks.extend_detached(run)
                         self._begun(execution, recorded, message, run, _BEGUN)
                         return
         if run is not None or recorded.merge is not None or recorded.fence is not None:

@@ -50,12 +50,13 @@ class PendingSend:
     """A send of the same lock value still in flight around this one (a retry
     sent from inside a run that an in-memory broker runs inside ``kiq``)."""
     run: Lock | None = None
-    """The run slot its acquire took for the run an in-process broker begins
-    inside ``kiq()``: Redis has the run's value in the lock already, on the
-    run's lease, so the run begins without a claim of its own."""
+    """The run slot (on the run's lease) its acquire took for the run an
+    in-process broker begins inside ``kiq()``: Redis has the run's value in
+    the lock already (marked in flight, on the grace TTL), so the run begins
+    without waiting for a claim."""
     run_until: float = 0.0
-    """Until when (``time.monotonic()``) that lease surely holds: half of it,
-    counted from before the acquire was sent."""
+    """Until when (``time.monotonic()``) that lock surely holds: half the grace
+    TTL, counted from before the acquire was sent."""
 
 
 class PendingSends:

@@ -119,9 +119,9 @@ class Sends:
         message = plan.message
         lock = Lock(plan.key, new_token(plan.digest), message.task_id, plan.options.ttl * 1000)
         # A limited run takes its slot in its claim's round trip: it keeps its claim.
-        run_ttl_ms = 0 if limited else self._run_lease_at_send(plan, lock)
+        lease_ms = 0 if limited else self._run_lease_at_send(plan, lock)
         sent_at = time.monotonic()
-        acquired = await self._acquire(plan, lock, run_ttl_ms)
+        acquired = await self._acquire(plan, lock, for_run=bool(lease_ms))
         if acquired is None:  # Redis failed, and fail_open lets the send go
             return self._without_lock(plan)
         if acquired.holder is not None:
@@ -149,8 +149,9 @@ class Sends:
             taken=True,
         )
         if acquired.run_token is not None:
-            pending.run = Lock(plan.key, acquired.run_token, message.task_id, run_ttl_ms)
-            pending.run_until = sent_at + run_ttl_ms / 2000
+            pending.run = Lock(plan.key, acquired.run_token, message.task_id, lease_ms)
+            # Half the grace TTL it was taken for, counted from before it was sent.
+            pending.run_until = sent_at + _grace_ms(lock) / 2000
         self._pending.add(pending)
         return message
 
@@ -161,7 +162,7 @@ class Sends:
             return  # sent without a lock, or its run ended the lock already
         if send.run is not None:
             # Taken for a run inside kiq() that never began (the broker dropped
-            # the message): nothing waits in a queue, and its lease frees it.
+            # the message): nothing waits in a queue, and the grace TTL frees it.
             return
         lock = send.lock
         # A lock this send took tells that a broker accepted it (the extension
@@ -241,9 +242,10 @@ class Sends:
 
         An in-process broker that awaits the run inside its ``kick``
         (``InMemoryBroker(await_inplace=True)``) begins the run of a first send
-        moments after its acquire. Its lock is then taken as the run's claim
-        would leave it, and the run skips that round trip: only a first send
-        (no attempt's lock to carry on, so no copy or success to look for) of a
+        moments after its acquire. Its lock is then taken under the run's value
+        (still marked in flight, on the grace TTL), and the run begins without
+        waiting for a claim: it sets its lease on the way. Only a first send (no
+        attempt's lock to carry on, so no copy or success to look for) of a
         plain exclusive ``"finished"`` lock (the lock its own run slot; no
         merged arguments, no fence, no limit).
         """
@@ -262,10 +264,12 @@ class Sends:
             return 0
         return self._runs.lease_of(plan.message, lock).ttl_ms
 
-    async def _acquire(self, plan: SendPlan, lock: Lock, run_ttl_ms: int = 0) -> Acquired | None:
+    async def _acquire(
+        self, plan: SendPlan, lock: Lock, *, for_run: bool = False
+    ) -> Acquired | None:
         """Take ``lock`` for the grace TTL, with its merged arguments and fence if it has them.
 
-        ``run_ttl_ms`` above 0: take it for the run inside this ``kiq()`` instead
+        ``for_run``: take it under the value of the run inside this ``kiq()``
         (`_run_lease_at_send`).
 
         A Redis error raises, or with ``fail_open`` is logged and gives ``None``.
@@ -291,7 +295,7 @@ class Sends:
             raise InvalidSettingError(msg)
         acquired = await state.locks.acquire(
             lock,
-            min(GRACE_TTL * 1000, lock.ttl_ms),
+            _grace_ms(lock),
             replaces=earlier.value if earlier is not None else "",
             merge_key=plan.merge_key,
             arguments=self._serialise_arguments(message) if merging else b"",
@@ -301,7 +305,7 @@ class Sends:
                 send.policy.name,
                 message.task_name if self._options.record_task_name else None,
             ),
-            run_ttl_ms=run_ttl_ms,
+            for_run=for_run,
         )
         if isinstance(acquired, RedisFailed):
             if not self._options.fail_open:
@@ -504,6 +508,11 @@ class Sends:
             first=attempt.call if attempt is not None else None,
         )
         write_lock_labels(message.labels, recorded, message.task_id)
+
+
+def _grace_ms(lock: Lock) -> int:
+    """The TTL of ``lock`` while its send is in flight: the grace TTL, or its own if shorter."""
+    return min(GRACE_TTL * 1000, lock.ttl_ms)
 
 
 def _merged_into(message: TaskiqMessage, merged: DuplicateTaskError) -> TaskiqMessage:

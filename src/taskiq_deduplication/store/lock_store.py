@@ -129,7 +129,7 @@ class Acquired:
     pending: bool = False
     """Whether the holder merges calls but its message is not accepted yet."""
     run_token: str | None = None
-    """When the lock was taken for a run that begins at once (``run_ttl_ms``):
+    """When the lock was taken for a run that begins at once (``for_run``):
     the run's token, which Redis has in the lock's value."""
 
 
@@ -259,7 +259,7 @@ class LockStore:
         task_name: str = "",
         record: str = "",
         undo_late: bool = True,
-        run_ttl_ms: int = 0,
+        for_run: bool = False,
     ) -> Acquired | RedisFailed:
         """Take ``lock`` for ``ttl_ms`` milliseconds; one script, one round trip.
 
@@ -282,12 +282,12 @@ class LockStore:
             undo_late: Whether to undo an acquire that may land late (off for
                 a tick sent without its lock: a late lock only holds back the
                 other replicas).
-            run_ttl_ms: Above 0, the lock is taken for a run of the send that
-                begins at once, in this process (an in-process broker runs the
-                task inside ``kiq()``): Redis gets the run's value, as the run's
-                claim would write it (`Acquired.run_token`), for this TTL (the
-                run's lease) instead of ``ttl_ms``. Only a plain lock (no merged
-                arguments, no fence) is taken so.
+            for_run: Take the lock for the run of this send that begins at
+                once, in this process (an in-process broker runs the task
+                inside ``kiq()``): its value is the run's, as a claim writes it
+                (`Acquired.run_token`), with the ``"!"`` of a send in flight
+                and its TTL ``ttl_ms``; the run sets its lease as it begins.
+                Only a plain lock (no merged arguments, no fence) is taken so.
         """
         token = lock.token
         value = lock.value
@@ -298,10 +298,9 @@ class LockStore:
             # TIME and the string work around it.
             token = recorded_token(token, time.time_ns() // 1_000_000, record)
             value = unsent_value(token, lock.task_id)
-        if run_ttl_ms:
+        if for_run:
             run_token = new_run_token(token)
-            value = lock_value(run_token, lock.task_id)
-            ttl_ms = run_ttl_ms
+            value = unsent_value(run_token, lock.task_id)
         try:
             if merge_key is None and fence_key is None:
                 reply = await self._pipeline.call(

@@ -39,6 +39,15 @@ if current == held or current == held .. ' +' then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 1
 end
+if current and string.sub(current, 1, 1) == '~' and string.sub(current, -1) == '!'
+    and string.match(current, '^%S+ (%S+)!$') == task then
+  -- A run's value that its send is still in flight with: only a send whose
+  -- run begins inside it, in the same process (an in-process broker), takes
+  -- its lock so (acquire.lua). This is that run, late or under a token of
+  -- its own: it begins.
+  redis.call('SET', KEYS[1], held, 'PX', ARGV[2])
+  return 1
+end
 local outcome = 1
 if not current then
   outcome = 2
