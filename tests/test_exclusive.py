@@ -571,7 +571,7 @@ async def test_a_duplicate_of_a_call_whose_run_is_about_to_begin_in_its_kiq_hear
     make_broker: BrokerFactory, make_middleware: MiddlewareFactory
 ) -> None:
     """While the send that took the lock for its run is in flight, a refusal says so."""
-    middlewares = [make_middleware(), _SlowSendBefore(0.3)]
+    middlewares = [make_middleware(), _SlowSend(0.3)]
     broker = await make_broker(await_inplace=True, middlewares=middlewares)
 
     @broker.task(task_name=None, deduplication_ttl=60)
@@ -585,18 +585,6 @@ async def test_a_duplicate_of_a_call_whose_run_is_about_to_begin_in_its_kiq_hear
 
     _, refusal = await asyncio.gather(job.kiq(n=1), duplicate())
     assert refusal.holder_sent is False
-
-
-class _SlowSendBefore(TaskiqMiddleware):
-    """After ours: a send that takes ``delay`` seconds before the broker gets it."""
-
-    def __init__(self, delay: float) -> None:
-        super().__init__()
-        self.delay = delay
-
-    async def pre_send(self, message: TaskiqMessage) -> TaskiqMessage:
-        await asyncio.sleep(self.delay)
-        return message
 
 
 class _SlowStart(TaskiqMiddleware):
@@ -736,7 +724,7 @@ async def test_a_send_that_fails_after_taking_the_lock_for_its_run_leaves_the_gr
     TTL, which is the grace TTL, not the run's lease nor (without the
     heartbeat) the full TTL; it says its send was never accepted.
     """
-    after = _FailingSend() if later == "refuses" else _SlowSendBefore(5)
+    after = _FailingSend() if later == "refuses" else _SlowSend(5)
     broker = await make_broker(
         await_inplace=True, middlewares=[make_middleware(heartbeat=heartbeat), after]
     )
@@ -753,10 +741,14 @@ async def test_a_send_that_fails_after_taking_the_lock_for_its_run_leaves_the_gr
 
 
 class _SlowSend(TaskiqMiddleware):
-    """After ours: a send that takes longer than the lock's grace TTL."""
+    """After ours: a send that takes ``delay`` seconds before the broker gets it."""
+
+    def __init__(self, delay: float = 1.2) -> None:
+        super().__init__()
+        self.delay = delay
 
     async def pre_send(self, message: TaskiqMessage) -> TaskiqMessage:
-        await asyncio.sleep(1.2)
+        await asyncio.sleep(self.delay)
         return message
 
 
@@ -768,6 +760,7 @@ async def test_runs_inside_their_own_kiq_do_not_overlap_when_a_slow_send_outlive
     The claim at each run's start is what keeps them apart: B's waits for A's
     run, though B's own send took its lock moments before (found in review).
     """
+    # A send that takes longer than the lock's grace TTL.
     broker = await make_broker(await_inplace=True, middlewares=[make_middleware(), _SlowSend()])
     runs = Runs()
 

@@ -211,21 +211,28 @@ class Runs:
         self, execution: Execution, recorded: RecordedLock, message: TaskiqMessage
     ) -> None:
         """Do the policy's step at the start: a claim, a re-assert, or the step alone."""
-        run = self._run_slot(execution, recorded, execution.state) if recorded.exclusive else None
+        # A "finished" lock is its own run slot: its send may have taken it for
+        # this run, moments ago, inside kiq() (an in-process broker).
+        taken = (
+            self._pending.run_taken(execution.lock)
+            if recorded.exclusive and execution.policy.at_start is Step.REASSERT
+            else None
+        )
+        if taken is not None:
+            run: Lock | None = taken[0]
+        elif recorded.exclusive:
+            run = self._run_slot(execution, recorded, execution.state)
+        else:
+            run = None
         if run is not None:
             execution.done = self._done(execution, recorded, execution.state)
-            if run.key == execution.lease.key:
-                taken = self._pending.run_taken(execution.lock)
-                if taken is not None:
-                    # Its send took the lock for this run, moments ago, inside
-                    # kiq(): while that surely holds, the run begins and sets
-                    # its lease on the way (the mark of a send in flight goes
-                    # with it); later, its claim finds the run's own value there.
-                    run, fresh = taken
-                    if fresh:
-                        await execution.state.locks.extend_detached(run)
-                        self._begun(execution, recorded, message, run, _BEGUN)
-                        return
+        if taken is not None and taken[1]:
+            # While that lock surely holds, the run begins and sets its lease
+            # on the way (the mark of a send in flight goes with it); later, its
+            # claim finds the run's own value there.
+            await execution.state.locks.extend_detached(taken[0])
+            self._begun(execution, recorded, message, taken[0], _BEGUN)
+            return
         if run is not None or recorded.merge is not None or recorded.fence is not None:
             await self._claim(execution, recorded, message, run)
         elif execution.policy.at_start is Step.REASSERT:
