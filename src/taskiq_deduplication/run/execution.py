@@ -14,13 +14,15 @@ import contextvars
 import enum
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
 from taskiq.exceptions import NoResultError
 
 from taskiq_deduplication.model.formats import NO_OWNER
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from taskiq import TaskiqMessage, TaskiqResult
     from taskiq.abc.broker import AsyncBroker
 
@@ -28,6 +30,9 @@ if TYPE_CHECKING:
     from taskiq_deduplication.run.heartbeat import Beat
     from taskiq_deduplication.run.loops import LoopState
     from taskiq_deduplication.store.lock_store import Done, Lock
+
+PartT = TypeVar("PartT")
+FoundT = TypeVar("FoundT")
 
 # taskiq's own labels, counted up on the running message by Context.requeue()
 # and by the retry middlewares when they send the next attempt.
@@ -199,14 +204,37 @@ def _current_task() -> asyncio.Task[Any]:
     return task
 
 
-#: The runs each middleware follows, for a task's `TaskLock` to find its own
-#: (weakly held: a middleware that goes takes its entry with it).
-_FOLLOWED: weakref.WeakKeyDictionary[object, Executions] = weakref.WeakKeyDictionary()
+class Followed(Generic[PartT]):
+    """One part of each middleware (its runs, its limits), for a task's `TaskLock` to find.
+
+    Weakly held: a middleware that goes takes its entry with it.
+    """
+
+    def __init__(self) -> None:
+        """Follow no middleware yet."""
+        self._parts: weakref.WeakKeyDictionary[object, PartT] = weakref.WeakKeyDictionary()
+
+    def follow(self, middleware: object, part: PartT) -> None:
+        """Let the tasks of ``middleware``'s broker find ``part``."""
+        self._parts[middleware] = part
+
+    def first(self, broker: AsyncBroker, find: Callable[[PartT], FoundT | None]) -> FoundT | None:
+        """What ``find`` finds first in the parts of ``broker``'s middlewares, if anything."""
+        for middleware in broker.middlewares:
+            part = self._parts.get(middleware)
+            found = find(part) if part is not None else None
+            if found is not None:
+                return found
+        return None
+
+
+#: The runs each middleware follows, for a task's `TaskLock` to find its own.
+_FOLLOWED: Followed[Executions] = Followed()
 
 
 def follow_runs(middleware: object, executions: Executions) -> None:
     """Let the tasks of ``middleware``'s broker find their runs in ``executions``."""
-    _FOLLOWED[middleware] = executions
+    _FOLLOWED.follow(middleware, executions)
 
 
 def run_of(broker: AsyncBroker, task_id: str) -> Execution | None:
@@ -216,9 +244,4 @@ def run_of(broker: AsyncBroker, task_id: str) -> Execution | None:
     but its body may run in another (a ``timeout`` label on Python 3.10), with
     a copy of the context.
     """
-    for middleware in broker.middlewares:
-        executions = _FOLLOWED.get(middleware)
-        execution = executions.of_run(task_id) if executions is not None else None
-        if execution is not None:
-            return execution
-    return None
+    return _FOLLOWED.first(broker, lambda executions: executions.of_run(task_id))

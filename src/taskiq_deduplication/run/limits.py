@@ -24,7 +24,6 @@ import enum
 import functools
 import logging
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -34,6 +33,7 @@ from taskiq_deduplication.model.formats import new_token
 from taskiq_deduplication.model.limits import LimitRule, limit_keys, read_limit_leniently
 from taskiq_deduplication.observe.events import LockEventKind
 from taskiq_deduplication.run.copies import leave_out_body
+from taskiq_deduplication.run.execution import Followed
 from taskiq_deduplication.store.call import RedisFailed
 from taskiq_deduplication.store.slots import Slot, Taken, Taking, Waits
 from taskiq_deduplication.store.wakes import Wakes
@@ -217,22 +217,17 @@ class Room:
         self.wakes.wake(run.slot.keys.holders, run.slot.member, -1.0)
 
 
-_FOLLOWED: weakref.WeakKeyDictionary[object, Limits] = weakref.WeakKeyDictionary()
+_FOLLOWED: Followed[Limits] = Followed()
 
 
 def follow_limits(middleware: object, limits: Limits) -> None:
     """Let the tasks of ``middleware``'s broker find their places in ``limits`` (`TaskLock`)."""
-    _FOLLOWED[middleware] = limits
+    _FOLLOWED.follow(middleware, limits)
 
 
 def limited_run_of(broker: AsyncBroker, task_id: str) -> LimitedRun | None:
     """The limited run of ``task_id`` in this asyncio task, among ``broker``'s middlewares'."""
-    for middleware in broker.middlewares:
-        limits = _FOLLOWED.get(middleware)
-        run = limits.current(task_id) if limits is not None else None
-        if run is not None:
-            return run
-    return None
+    return _FOLLOWED.first(broker, lambda limits: limits.current(task_id))
 
 
 class Limits:
