@@ -840,3 +840,141 @@ async def test_a_claim_sent_again_finds_its_own_run_and_begins(
     finally:
         await store.close()
         await client.aclose()
+
+
+async def test_a_run_queued_in_its_process_begins_on_the_lock_its_send_took_for_it(
+    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
+) -> None:
+    """``InMemoryBroker()`` begins the run moments after kiq() returns: no claim to wait for.
+
+    Its send took the lock under the run's value, as an in-place broker's does;
+    ``post_send`` sets the run's lease, and the run begins without a write of
+    its own (issue 32): a life cycle runs 3 scripts, not 4, and waits for 2
+    round trips, not 3.
+    """
+    broker = await make_broker(running_ttl=20)
+    assert not broker.await_inplace
+    seen: list[tuple[str, int]] = []
+
+    @broker.task(task_name=None, deduplication_ttl=60)
+    async def job(n: int) -> int:
+        if n == 1:
+            await asyncio.sleep(0.05)  # the lease, set on the way, has landed
+            (key,) = await lock_keys(redis_client, prefix)
+            seen.append((await lock_value(redis_client, key), await redis_client.pttl(key)))
+        return n
+
+    await job.kiq(n=1)
+    await broker.wait_all()
+    ((value, ttl_ms),) = seen
+    assert value.startswith("~")  # the run token its send drew
+    assert not value.endswith("!")  # the broker accepted the send
+    assert 10_000 < ttl_ms <= 20_000  # the run's lease
+    traffic = Traffic()
+    traffic.install()
+    try:
+        await job.kiq(n=2)
+        await broker.wait_all()
+    finally:
+        traffic.uninstall()
+    await dedup_middleware(broker).shutdown()
+    # Waited for: the acquire and the finish; the lease went out after the kiq.
+    assert (traffic.round_trips, traffic.commands) == (2, 3)
+    assert await lock_keys(redis_client, prefix) == []
+
+
+async def test_a_queued_run_that_begins_late_claims_its_lock(
+    make_broker: BrokerFactory,
+    make_middleware: MiddlewareFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+) -> None:
+    """Past half the grace TTL its lock may have lapsed: the queued run claims, and runs once."""
+    broker = await make_broker(middlewares=[_SlowStart(0.6), make_middleware()])
+    ran: list[int] = []
+
+    @broker.task(task_name=None, deduplication_ttl=1)  # half the grace TTL: 0.5 s
+    async def job(n: int) -> None:
+        ran.append(n)
+
+    await redis_client.config_resetstat()
+    await job.kiq(n=1)
+    with pytest.raises(DuplicateTaskError):  # the lock holds while the run is queued
+        await job.kiq(n=1)
+    await broker.wait_all()
+    await dedup_middleware(broker).shutdown()
+    assert ran == [1]
+    # The acquire, the run's lease, the refused acquire, the claim, the finish.
+    assert await scripts_run(redis_client) == 5
+    assert await lock_keys(redis_client, prefix) == []
+
+
+async def test_a_queued_run_whose_send_was_forgotten_claims_and_begins(
+    make_broker: BrokerFactory,
+    make_middleware: MiddlewareFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """More sends in flight than the process remembers: a forgotten one's run claims its lock.
+
+    Its post_send, reading the send's lock from the labels, does not find the
+    run's value, which keeps its mark of a send in flight. The run's claim
+    finds that value and begins: it does not wait for itself (a value without
+    the mark would read as another delivery's run of the same task).
+    """
+    monkeypatch.setattr("taskiq_deduplication.send.pending.MAX_SENDS_IN_FLIGHT", 1)
+    broker = await make_broker(middlewares=[make_middleware(), _SlowSend(0.2)])
+    ran: list[int] = []
+
+    @broker.task(task_name=None, deduplication_ttl=60)
+    async def job(n: int) -> None:
+        ran.append(n)
+
+    await redis_client.config_resetstat()
+    await asyncio.gather(job.kiq(n=1), job.kiq(n=2))  # the second send forgets the first
+    await asyncio.wait_for(broker.wait_all(), 5)
+    await dedup_middleware(broker).shutdown()
+    assert sorted(ran) == [1, 2]
+    # Two acquires, two extensions (the forgotten one's finds no lock of its
+    # send's), the forgotten run's claim, two finishes.
+    assert await scripts_run(redis_client) == 7
+    assert await lock_keys(redis_client, prefix) == []
+
+
+class _SlowPostSend(TaskiqMiddleware):
+    """Before ours: a ``post_send`` that lets the loop run the queued task first."""
+
+    async def post_send(self, message: TaskiqMessage) -> None:
+        await asyncio.sleep(0.1)
+
+
+async def test_a_queued_run_that_ends_before_its_send_does_leaves_nothing(
+    make_broker: BrokerFactory,
+    make_middleware: MiddlewareFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+) -> None:
+    """The run begins and ends while an earlier middleware's post_send still awaits.
+
+    Ours comes after: it finds the run over, and neither extends the lock nor
+    keeps a record for a run that will not ask.
+    """
+    middleware = make_middleware()
+    broker = await make_broker(middlewares=[_SlowPostSend(), middleware])
+    ran: list[int] = []
+
+    @broker.task(task_name=None, deduplication_ttl=60)
+    async def job(n: int) -> None:
+        ran.append(n)
+
+    await redis_client.config_resetstat()
+    await job.kiq(n=1)
+    assert ran == [1]  # it ran inside the kiq, during the other middleware's post_send
+    await broker.wait_all()
+    await middleware.shutdown()
+    assert await scripts_run(redis_client) == 3  # acquire, the run's lease, finish
+    assert await lock_keys(redis_client, prefix) == []
+    await job.kiq(n=1)  # the call is free again
+    await broker.wait_all()
+    assert ran == [1, 1]

@@ -106,7 +106,7 @@ async def test_fail_open_when_the_whole_cluster_is_down(
 async def test_script_caches_lost_during_a_burst_fail_no_kiq(
     cluster: Cluster, client: RedisCluster, prefix: str
 ) -> None:
-    broker = await started(client, prefix)
+    broker = await started(client, prefix, HoldingBroker)  # the locks stay: no run ends them
 
     @broker.task
     async def job(n: int) -> None: ...

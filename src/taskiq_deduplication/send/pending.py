@@ -6,6 +6,10 @@ broker accepted the message) and the broker's refusal (it did not) each take
 the record back. A run in this process may end the lock in between (an
 in-memory broker runs the task inside ``kiq``): it marks the record, and
 ``post_send`` then leaves the lock alone.
+
+A send that took its lock for a run that ``InMemoryBroker()`` begins
+moments after ``kiq()`` returns is parked here (`PendingSends.park`) until
+that run begins, or until its lock would have lapsed without it.
 """
 
 from __future__ import annotations
@@ -51,12 +55,16 @@ class PendingSend:
     sent from inside a run that an in-memory broker runs inside ``kiq``)."""
     run: Lock | None = None
     """The run slot (on the run's lease) its acquire took for the run an
-    in-process broker begins inside ``kiq()``: Redis has the run's value in
-    the lock already (marked in flight, on the grace TTL), so the run begins
-    without waiting for a claim."""
+    in-process broker begins inside ``kiq()``, or moments after it: Redis has
+    the run's value in the lock already (marked in flight, on the grace TTL),
+    so the run begins without waiting for a claim."""
     run_until: float = 0.0
     """Until when (``time.monotonic()``) that lock surely holds: half the grace
     TTL, counted from before the acquire was sent."""
+    parked_until: float = 0.0
+    """When parked (its ``post_send`` set the run's lease): until when
+    (``time.monotonic()``) the run's value may still be in Redis if the run
+    never begins, the longest its record is worth keeping."""
 
 
 class PendingSends:
@@ -65,6 +73,8 @@ class PendingSends:
     def __init__(self) -> None:
         """Start with none."""
         self._by_value: dict[str, PendingSend] = {}
+        # Sends over whose run, queued in this process, has yet to begin (oldest first).
+        self._parked: dict[str, PendingSend] = {}
 
     def add(self, send: PendingSend) -> None:
         """Remember ``send`` until its ``post_send`` or its refusal."""
@@ -88,18 +98,47 @@ class PendingSends:
             self._by_value[value] = send.outer
         return send
 
-    def run_taken(self, lock: Lock) -> tuple[Lock, bool] | None:
-        """The run slot the send of ``lock`` took for its run, and whether it surely holds still.
+    def run_taken(self, lock: Lock) -> tuple[Lock, bool, bool] | None:
+        """The run slot the send of ``lock`` took for its run, and what is known of it.
 
-        Asked once, by the run that begins inside the send's ``kiq()``; a
-        slot that may have lapsed (the run began late) is claimed as any other.
+        Gives the slot, whether it surely holds still, and whether its lease
+        is set already (the send's ``post_send`` set it). Asked once, by the
+        run as it begins; a slot that may have lapsed (the run began late) is
+        claimed as any other.
         """
-        send = self._by_value.get(lock.value)
+        send = self._by_value.get(lock.value) or self._parked.pop(lock.value, None)
         if send is None or send.run is None:
             return None
         fresh = time.monotonic() < send.run_until
         send.run_until = 0.0
-        return send.run, fresh
+        return send.run, fresh, bool(send.parked_until)
+
+    def park(self, send: PendingSend, grace_ms: int) -> bool:
+        """Keep ``send`` until its run begins, if it is still to; whether it is.
+
+        ``InMemoryBroker()`` begins the run in a task of its own moments after
+        ``kiq()`` returns: the send's ``post_send`` then sets the run's lease,
+        and the run begins without a write of its own. A record is kept as
+        long as the run's value could be in Redis without the run (twice the
+        lease from now, as the lease's write may go out behind a backlog; the
+        grace TTL from the acquire if it failed); past that, a run that begins
+        after all finds no value to begin on, and claims as any other. Only
+        time forgets a record: a run whose record were forgotten earlier would
+        find its own value, with no mark to tell it from another delivery's
+        run, and wait for itself.
+        """
+        if send.run is None or not send.run_until:
+            return False  # it began already, inside kiq()
+        now = time.monotonic()
+        parked = self._parked
+        while parked:
+            oldest = next(iter(parked.values()))
+            if oldest.parked_until > now:
+                break
+            parked.pop(oldest.lock.value, None)  # (a run in another thread may take it first)
+        send.parked_until = max(now + send.run.ttl_ms / 500, send.run_until + grace_ms / 2000)
+        parked[send.lock.value] = send
+        return True
 
     def end(self, lock: Lock) -> bool:
         """Note that a run ends ``lock``; whether a send of it is still in flight."""
