@@ -909,6 +909,36 @@ async def test_a_queued_run_that_begins_late_claims_its_lock(
     assert await lock_keys(redis_client, prefix) == []
 
 
+async def test_a_queued_run_that_begins_when_its_lease_is_partly_gone_claims_it(
+    make_broker: BrokerFactory,
+    make_middleware: MiddlewareFactory,
+    redis_client: redis.asyncio.Redis,
+    prefix: str,
+) -> None:
+    """The lease its send's post_send set has run a while: the run claims it, whole again.
+
+    Begun without a write, the run would hold what is left of that lease until
+    its heartbeat's first refresh, a third of the lease later: a short lease
+    could lapse first (found in review of the change).
+    """
+    broker = await make_broker(middlewares=[_SlowStart(0.4), make_middleware(running_ttl=1)])
+    seen: list[int] = []
+
+    @broker.task(task_name=None, deduplication_ttl=60)  # half the grace TTL: 5 s
+    async def job(n: int) -> None:
+        (key,) = await lock_keys(redis_client, prefix)
+        seen.append(await redis_client.pttl(key))
+
+    await redis_client.config_resetstat()
+    await job.kiq(n=1)
+    await broker.wait_all()
+    await dedup_middleware(broker).shutdown()
+    (ttl_ms,) = seen
+    assert ttl_ms > 800  # the lease of 1 s, set again as the run began 0.4 s after its send
+    assert await scripts_run(redis_client) == 4  # acquire, the lease, the claim, the finish
+    assert await lock_keys(redis_client, prefix) == []
+
+
 async def test_a_queued_run_whose_send_was_forgotten_claims_and_begins(
     make_broker: BrokerFactory,
     make_middleware: MiddlewareFactory,

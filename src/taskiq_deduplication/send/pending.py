@@ -60,7 +60,8 @@ class PendingSend:
     so the run begins without waiting for a claim."""
     run_until: float = 0.0
     """Until when (``time.monotonic()``) that lock surely holds: half the grace
-    TTL, counted from before the acquire was sent."""
+    TTL, counted from before the acquire was sent (when parked, no later than a
+    quarter of the lease its ``post_send`` set)."""
     parked_until: float = 0.0
     """When parked (its ``post_send`` set the run's lease): until when
     (``time.monotonic()``) the run's value may still be in Redis if the run
@@ -136,7 +137,11 @@ class PendingSends:
             if oldest.parked_until > now:
                 break
             parked.pop(oldest.lock.value, None)  # (a run in another thread may take it first)
-        send.parked_until = max(now + send.run.ttl_ms / 500, send.run_until + grace_ms / 2000)
+        lease_s = send.run.ttl_ms / 1000
+        send.parked_until = max(now + 2 * lease_s, send.run_until + grace_ms / 2000)
+        # The run begins without a write only while the lease set now has most
+        # of its time left: its heartbeat's first refresh comes before the end.
+        send.run_until = min(send.run_until, now + lease_s / 4)
         parked[send.lock.value] = send
         return True
 
