@@ -84,11 +84,8 @@ class SendsInFlight(Protocol):
     def end_failed(self, lock: Lock) -> None:
         """The end of ``lock`` failed: its send's ``post_send`` extends it after all."""
 
-    def run_taken(self, lock: Lock) -> tuple[Lock, bool, bool] | None:
-        """The run slot the send of ``lock`` took for its run, and what is known of it.
-
-        Whether it surely holds still, and whether its lease is set already.
-        """
+    def run_taken(self, lock: Lock) -> tuple[Lock, bool] | None:
+        """The run slot the send of ``lock`` took for its run, and whether it surely holds still."""
 
 
 class Runs:
@@ -230,11 +227,10 @@ class Runs:
         if run is not None:
             execution.done = self._done(execution, recorded, execution.state)
         if taken is not None and taken[1]:
-            # While that lock surely holds, the run begins, and sets its lease
-            # on the way unless its send's post_send did (the mark of a send in
-            # flight goes with it); later, its claim finds the run's own value.
-            if not taken[2]:
-                await execution.state.locks.extend_detached(taken[0])
+            # While that lock surely holds, the run begins and sets its lease on
+            # the way (the mark of a send in flight goes with it); later, its
+            # claim finds the run's own value there.
+            await execution.state.locks.extend_detached(taken[0])
             self._begun(execution, recorded, message, taken[0], _BEGUN)
             return
         if run is not None or recorded.merge is not None or recorded.fence is not None:

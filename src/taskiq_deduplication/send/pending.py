@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 #: broker failed never gets a post_send; the oldest is forgotten first, and its
 #: post_send then reads its lock from the message's labels).
 MAX_SENDS_IN_FLIGHT: Final = 4096
+#: Most records kept for runs queued in this process that have yet to begin
+#: (each about 300 bytes; the broker holds a task and its message for each).
+MAX_RUNS_PARKED: Final = 65_536
 
 
 @dataclass(slots=True)
@@ -60,11 +63,10 @@ class PendingSend:
     so the run begins without waiting for a claim."""
     run_until: float = 0.0
     """Until when (``time.monotonic()``) that lock surely holds: half the grace
-    TTL, counted from before the acquire was sent (when parked, no later than a
-    quarter of the lease its ``post_send`` set)."""
+    TTL, counted from before the acquire was sent."""
     parked_until: float = 0.0
-    """When parked (its ``post_send`` set the run's lease): until when
-    (``time.monotonic()``) the run's value may still be in Redis if the run
+    """When parked (its ``post_send`` gave the run's value the full TTL): until
+    when (``time.monotonic()``) that value may still be in Redis if the run
     never begins, the longest its record is worth keeping."""
 
 
@@ -76,6 +78,8 @@ class PendingSends:
         self._by_value: dict[str, PendingSend] = {}
         # Sends over whose run, queued in this process, has yet to begin (oldest first).
         self._parked: dict[str, PendingSend] = {}
+        # How many were parked after the last look for records past their time.
+        self._parked_looked = 0
 
     def add(self, send: PendingSend) -> None:
         """Remember ``send`` until its ``post_send`` or its refusal."""
@@ -99,49 +103,47 @@ class PendingSends:
             self._by_value[value] = send.outer
         return send
 
-    def run_taken(self, lock: Lock) -> tuple[Lock, bool, bool] | None:
-        """The run slot the send of ``lock`` took for its run, and what is known of it.
+    def run_taken(self, lock: Lock) -> tuple[Lock, bool] | None:
+        """The run slot the send of ``lock`` took for its run, and whether it surely holds still.
 
-        Gives the slot, whether it surely holds still, and whether its lease
-        is set already (the send's ``post_send`` set it). Asked once, by the
-        run as it begins; a slot that may have lapsed (the run began late) is
-        claimed as any other.
+        Asked once, by the run as it begins; a slot that may have lapsed (the
+        run began late) is claimed as any other, under the run token its send
+        drew.
         """
         send = self._by_value.get(lock.value) or self._parked.pop(lock.value, None)
         if send is None or send.run is None:
             return None
         fresh = time.monotonic() < send.run_until
         send.run_until = 0.0
-        return send.run, fresh, bool(send.parked_until)
+        return send.run, fresh
 
     def park(self, send: PendingSend, grace_ms: int) -> bool:
         """Keep ``send`` until its run begins, if it is still to; whether it is.
 
         ``InMemoryBroker()`` begins the run in a task of its own moments after
-        ``kiq()`` returns: the send's ``post_send`` then sets the run's lease,
-        and the run begins without a write of its own. A record is kept as
-        long as the run's value could be in Redis without the run (twice the
-        lease from now, as the lease's write may go out behind a backlog; the
-        grace TTL from the acquire if it failed); past that, a run that begins
-        after all finds no value to begin on, and claims as any other. Only
-        time forgets a record: a run whose record were forgotten earlier would
-        find its own value, with no mark to tell it from another delivery's
-        run, and wait for itself.
+        ``kiq()`` returns: the send's ``post_send`` gives the run's value the
+        full TTL of a queued message, and the run begins on it without waiting
+        for a claim, setting its lease on the way. A run that begins late claims
+        with the run token its send drew, which only this record tells it: a
+        claim under another token would find its own value, with nothing to
+        tell it from another delivery's run of the same task, and wait until
+        the lock's TTL lapsed. So a record is kept as long as that value may be
+        in Redis (twice the full TTL, as its write may go out behind a
+        backlog), or until `MAX_RUNS_PARKED` runs wait to begin at once.
         """
         if send.run is None or not send.run_until:
             return False  # it began already, inside kiq()
         now = time.monotonic()
         parked = self._parked
-        while parked:
-            oldest = next(iter(parked.values()))
-            if oldest.parked_until > now:
-                break
-            parked.pop(oldest.lock.value, None)  # (a run in another thread may take it first)
-        lease_s = send.run.ttl_ms / 1000
-        send.parked_until = max(now + 2 * lease_s, send.run_until + grace_ms / 2000)
-        # The run begins without a write only while the lease set now has most
-        # of its time left: its heartbeat's first refresh comes before the end.
-        send.run_until = min(send.run_until, now + lease_s / 4)
+        if len(parked) > max(64, 2 * self._parked_looked):
+            # Records of runs that never began (another middleware's pre_execute
+            # raised), each past its time: looked for as often as the map doubles.
+            for value in [value for value, kept in parked.items() if kept.parked_until <= now]:
+                parked.pop(value, None)  # (a run in another thread may take it first)
+            self._parked_looked = len(parked)
+        while len(parked) >= MAX_RUNS_PARKED:
+            parked.pop(next(iter(parked)), None)
+        send.parked_until = max(now + send.lock.ttl_ms / 500, send.run_until + grace_ms / 2000)
         parked[send.lock.value] = send
         return True
 

@@ -162,15 +162,17 @@ class Sends:
             return  # sent without a lock, or its run ended the lock already
         if send.run is not None:
             # Taken for its run, in this process. A run still to begin
-            # (InMemoryBroker() queues it in this event loop) begins on the
-            # lease set now, the mark of a send in flight gone with it.
-            # Inside kiq() it began already, or never will (the broker dropped
-            # the message): nothing waits in a queue, and the grace TTL frees it.
+            # (InMemoryBroker() queues it in this event loop) is a queued
+            # message until then: its value gets the full TTL, the mark of a
+            # send in flight gone with it, and the run sets its lease as it
+            # begins. Inside kiq() it began already, or never will (the broker
+            # dropped the message): the grace TTL frees it.
             broker = self._options.broker
             in_place = isinstance(broker, InMemoryBroker) and broker.await_inplace
             if not in_place and self._pending.park(send, _grace_ms(send.lock)):
                 state = self._states.get() or await self._states.current()
-                await state.locks.extend_detached(send.run)
+                ttl_ms = send.lock.ttl_ms if send.extends else 0
+                await state.locks.extend_detached(send.run, ttl_ms=ttl_ms)
             return
         lock = send.lock
         # A lock this send took tells that a broker accepted it (the extension
