@@ -103,19 +103,21 @@ class PendingSends:
             self._by_value[value] = send.outer
         return send
 
-    def run_taken(self, lock: Lock) -> tuple[Lock, bool] | None:
-        """The run slot the send of ``lock`` took for its run, and whether it surely holds still.
+    def run_taken(self, lock: Lock) -> tuple[Lock, bool, bool] | None:
+        """The run slot the send of ``lock`` took for its run, and what is known of it.
 
-        Asked once, by the run as it begins; a slot that may have lapsed (the
-        run began late) is claimed as any other, under the run token its send
-        drew.
+        Gives the slot, whether it surely holds still, and whether the send's
+        ``post_send`` gave it the full TTL already (a run queued after its
+        ``kiq()``). Asked once, by the run as it begins; a slot that may have
+        lapsed (the run began late) is claimed as any other, under the run
+        token its send drew.
         """
         send = self._by_value.get(lock.value) or self._parked.pop(lock.value, None)
         if send is None or send.run is None:
             return None
         fresh = time.monotonic() < send.run_until
         send.run_until = 0.0
-        return send.run, fresh
+        return send.run, fresh, bool(send.parked_until)
 
     def park(self, send: PendingSend, grace_ms: int) -> bool:
         """Keep ``send`` until its run begins, if it is still to; whether it is.
