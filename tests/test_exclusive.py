@@ -842,75 +842,6 @@ async def test_a_claim_sent_again_finds_its_own_run_and_begins(
         await client.aclose()
 
 
-async def test_a_run_queued_in_its_process_begins_on_the_lock_its_send_took_for_it(
-    make_broker: BrokerFactory, redis_client: redis.asyncio.Redis, prefix: str
-) -> None:
-    """``InMemoryBroker()`` begins the run moments after kiq() returns: no claim to wait for.
-
-    Its send took the lock under the run's value, as an in-place broker's does;
-    ``post_send`` gives it the full TTL of a queued call, and the run begins
-    without waiting for a claim: it sets its lease at the end of the event
-    loop's turn, unless it is over by then (issue 32). A life cycle waits for 2
-    round trips, not 3; one that never awaits runs 3 scripts, not 4.
-    """
-    broker = await make_broker(running_ttl=20)
-    assert not broker.await_inplace
-    seen: list[tuple[str, int]] = []
-
-    @broker.task(task_name=None, deduplication_ttl=60)
-    async def job(n: int) -> int:
-        if n == 1:
-            await asyncio.sleep(0.05)  # the lease, set on the way, has landed
-            (key,) = await lock_keys(redis_client, prefix)
-            seen.append((await lock_value(redis_client, key), await redis_client.pttl(key)))
-        return n
-
-    await job.kiq(n=1)
-    await broker.wait_all()
-    ((value, ttl_ms),) = seen
-    assert value.startswith("~")  # the run token its send drew
-    assert not value.endswith("!")  # the broker accepted the send
-    assert 10_000 < ttl_ms <= 20_000  # the run's lease
-    traffic = Traffic()
-    traffic.install()
-    try:
-        await job.kiq(n=2)
-        await broker.wait_all()
-    finally:
-        traffic.uninstall()
-    await dedup_middleware(broker).shutdown()
-    # Waited for: the acquire and the finish; the extension after the send went
-    # along. The run, over within the turn it began in, wrote no lease.
-    assert (traffic.round_trips, traffic.commands) == (2, 3)
-    assert await lock_keys(redis_client, prefix) == []
-
-
-async def test_a_queued_run_that_begins_late_claims_its_lock(
-    make_broker: BrokerFactory,
-    make_middleware: MiddlewareFactory,
-    redis_client: redis.asyncio.Redis,
-    prefix: str,
-) -> None:
-    """Past half the grace TTL its lock may have lapsed: the queued run claims, and runs once."""
-    broker = await make_broker(middlewares=[_SlowStart(0.6), make_middleware()])
-    ran: list[int] = []
-
-    @broker.task(task_name=None, deduplication_ttl=1)  # half the grace TTL: 0.5 s
-    async def job(n: int) -> None:
-        ran.append(n)
-
-    await redis_client.config_resetstat()
-    await job.kiq(n=1)
-    with pytest.raises(DuplicateTaskError):  # the lock holds while the run is queued
-        await job.kiq(n=1)
-    await broker.wait_all()
-    await dedup_middleware(broker).shutdown()
-    assert ran == [1]
-    # The acquire, its extension, the refused acquire, the claim, the finish.
-    assert await scripts_run(redis_client) == 5
-    assert await lock_keys(redis_client, prefix) == []
-
-
 class _Gate(TaskiqMiddleware):
     """Before ours: runs wait until the test opens the gate (a middleware that holds them back)."""
 
@@ -931,9 +862,10 @@ async def test_a_queued_run_held_back_past_its_lease_keeps_its_call_locked(
 ) -> None:
     """Until its run begins, the lock its send took for it lives the full TTL of a queued call.
 
-    Found in review: the run's lease of 2 s, set by the send's post_send, let
-    the same call be queued again while the first was held back, and the run
-    began on a lock that had lapsed.
+    A guard from issue 32: a version that took the lock for the run at the
+    send, and gave it the run's lease of 2 s in its post_send, let the same
+    call be queued again while the first was held back, and the run began on a
+    lock that had lapsed.
     """
     gate = _Gate()
     broker = await make_broker(middlewares=[gate, make_middleware(running_ttl=2)])
@@ -969,8 +901,9 @@ async def test_a_queued_run_without_the_heartbeat_holds_its_lock_for_the_ttl_fro
 ) -> None:
     """With no heartbeat to set its lease, the run gives its lock the TTL as it begins.
 
-    Found in review: counted from the send's post_send, the TTL of a run that
-    began 0.6 s late lapsed 0.6 s before the end of a body that fits in it.
+    A guard from issue 32: in a version that set the run's TTL in the send's
+    post_send, the TTL of a run that began 0.6 s late lapsed 0.6 s before the
+    end of a body that fits in it.
     """
     broker = await make_broker(middlewares=[_SlowStart(0.6), make_middleware(heartbeat=False)])
     outcome: list[str] = []
@@ -991,109 +924,3 @@ async def test_a_queued_run_without_the_heartbeat_holds_its_lock_for_the_ttl_fro
     await asyncio.wait_for(broker.wait_all(), 10)
     await dedup_middleware(broker).shutdown()
     assert outcome == ["refused"]
-
-
-async def test_records_of_queued_runs_that_never_began_go_in_their_time(
-    make_broker: BrokerFactory, make_middleware: MiddlewareFactory
-) -> None:
-    """Records past their time go when the map has doubled since its last look, whatever is first.
-
-    Runs that never begin (held back for ever here; another middleware's
-    pre_execute may raise) leave their records. Found in review: records were
-    dropped from the oldest on, up to the first one still in its time, so one
-    long TTL kept every later short one.
-    """
-    middleware = make_middleware()
-    broker = await make_broker(middlewares=[_Gate(), middleware])  # a gate never opened
-
-    @broker.task(task_name=None, deduplication_ttl=3600)
-    async def long_job(n: int) -> None: ...
-
-    @broker.task(task_name=None, deduplication_ttl=1)  # kept for 2 s
-    async def short_job(n: int) -> None: ...
-
-    await long_job.kiq(n=0)
-    for n in range(200):
-        await short_job.kiq(n=n)
-    await asyncio.sleep(2.2)  # the 200 short ones are past their time
-    for n in range(200, 400):  # the map doubles on the way: a look
-        await short_job.kiq(n=n)
-    parked = len(middleware._sends._pending._parked)  # what the test is about
-    held = list(broker._running_tasks)  # runs that will never begin
-    for run in held:
-        run.cancel()
-    await asyncio.gather(*held, return_exceptions=True)
-    await middleware.shutdown()
-    assert parked == 201  # the long one, and the 200 still in their time
-
-
-async def test_a_queued_run_whose_send_was_forgotten_claims_and_begins(
-    make_broker: BrokerFactory,
-    make_middleware: MiddlewareFactory,
-    redis_client: redis.asyncio.Redis,
-    prefix: str,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """More sends in flight than the process remembers: a forgotten one's run claims its lock.
-
-    Its post_send, reading the send's lock from the labels, does not find the
-    run's value, which keeps its mark of a send in flight. The run's claim
-    finds that value and begins: it does not wait for itself (a value without
-    the mark would read as another delivery's run of the same task).
-    """
-    monkeypatch.setattr("taskiq_deduplication.send.pending.MAX_SENDS_IN_FLIGHT", 1)
-    broker = await make_broker(middlewares=[make_middleware(), _SlowSend(0.2)])
-    ran: list[int] = []
-
-    @broker.task(task_name=None, deduplication_ttl=60)
-    async def job(n: int) -> None:
-        ran.append(n)
-
-    await redis_client.config_resetstat()
-    await asyncio.gather(job.kiq(n=1), job.kiq(n=2))  # the second send forgets the first
-    await asyncio.wait_for(broker.wait_all(), 5)
-    await dedup_middleware(broker).shutdown()
-    assert sorted(ran) == [1, 2]
-    # Two acquires, two extensions (the forgotten one's finds no lock of its
-    # send's), the forgotten run's claim, two finishes (neither run awaits:
-    # the other writes no lease).
-    assert await scripts_run(redis_client) == 7
-    assert await lock_keys(redis_client, prefix) == []
-
-
-class _SlowPostSend(TaskiqMiddleware):
-    """After ours: a ``post_send`` (taskiq calls them last to first) that lets the run begin."""
-
-    async def post_send(self, message: TaskiqMessage) -> None:
-        await asyncio.sleep(0.1)
-
-
-async def test_a_queued_run_that_ends_before_its_send_does_leaves_nothing(
-    make_broker: BrokerFactory,
-    make_middleware: MiddlewareFactory,
-    redis_client: redis.asyncio.Redis,
-    prefix: str,
-) -> None:
-    """The run begins and ends while another middleware's post_send, called first, awaits.
-
-    Ours then finds the run over, and neither extends the lock nor keeps a
-    record for a run that will not ask.
-    """
-    middleware = make_middleware()
-    broker = await make_broker(middlewares=[middleware, _SlowPostSend()])
-    ran: list[int] = []
-
-    @broker.task(task_name=None, deduplication_ttl=60)
-    async def job(n: int) -> None:
-        ran.append(n)
-
-    await redis_client.config_resetstat()
-    await job.kiq(n=1)
-    assert ran == [1]  # it ran inside the kiq, during the other middleware's post_send
-    await broker.wait_all()
-    await middleware.shutdown()
-    assert await scripts_run(redis_client) == 3  # acquire, the run's lease, finish
-    assert await lock_keys(redis_client, prefix) == []
-    await job.kiq(n=1)  # the call is free again
-    await broker.wait_all()
-    assert ran == [1, 1]

@@ -117,11 +117,9 @@ async def test_every_policy_lets_a_call_through_after_the_ttl(
     ("policy", "exclusive", "scripts"),
     [
         # acquire + extend after the send, then at run time:
-        # the acquire wrote the run's value; free it at the end (a run that never
-        # awaits is over before its lease would be written at the end of its turn)
-        ("finished", True, 3),
+        ("finished", True, 4),  # take the lock as the run slot at start, free it at the end
         ("finished", False, 4),  # re-assert at start, release at the end
-        ("finished+success_ttl", True, 3),  # as above; keep as succeeded at the end
+        ("finished+success_ttl", True, 4),  # take at start, keep as succeeded at the end
         ("finished+success_ttl", False, 4),  # re-assert at start, keep at the end
         ("started", True, 4),  # release and take the run slot at start, free it at the end
         ("started", False, 3),  # release at start

@@ -91,9 +91,6 @@ class Execution:
     handed_to: Lock | None = None
     """The run slot beside the lock as this run handed it to its retry, until
     the broker took the retry (a refused retry gives it up)."""
-    lease_write: asyncio.Handle | None = field(default=None, repr=False)
-    """The write of the run's lease, still to go out at the end of the event
-    loop's turn it began in: a run that ends first needs none."""
     task: asyncio.Task[Any] | None = field(default=None, repr=False)
     """The asyncio task the run began in."""
     context: Any = field(default=None, repr=False)
@@ -134,17 +131,10 @@ class Execution:
         )
 
     def stop_heartbeat(self) -> None:
-        """Stop keeping the lease alive; the run's lock is left as it is.
-
-        A lease not written yet is not written: a run over within the turn of
-        the event loop it began in needs none.
-        """
+        """Stop keeping the lease alive; the run's lock is left as it is."""
         if self.beat is not None:
             self.state.heartbeat.discard(self.beat)
         self.beat = None
-        if self.lease_write is not None:
-            self.lease_write.cancel()
-            self.lease_write = None
 
 
 class Executions:

@@ -2,8 +2,7 @@
 
 A run of a task with a ``limit_concurrency`` or ``limit_rate`` takes a slot of
 its limit (``model/limits.py`` names it) before its body: in the same batch as
-its claim, so an uncontended limited run costs no round trip more than its
-claim (a plain exclusive run on ``InMemoryBroker`` needs none). A run over
+its claim, so an uncontended limited run costs no round trip more. A run over
 the limit waits in line in Redis, without a thread and without polling: the
 script that frees a slot hands it to the first in line and says so on the
 limit's channel (``store/wakes.py``); a lease refresh finds it too, if that

@@ -84,8 +84,8 @@ class SendsInFlight(Protocol):
     def end_failed(self, lock: Lock) -> None:
         """The end of ``lock`` failed: its send's ``post_send`` extends it after all."""
 
-    def run_taken(self, lock: Lock) -> tuple[Lock, bool, bool] | None:
-        """The run slot the send of ``lock`` took for its run, whether it holds, whether queued."""
+    def run_taken(self, lock: Lock) -> tuple[Lock, bool] | None:
+        """The run slot the send of ``lock`` took for its run, and whether it surely holds still."""
 
 
 class Runs:
@@ -212,7 +212,7 @@ class Runs:
     ) -> None:
         """Do the policy's step at the start: a claim, a re-assert, or the step alone."""
         # A "finished" lock is its own run slot: its send may have taken it for
-        # this run, moments ago, in this process (InMemoryBroker).
+        # this run, moments ago, inside kiq() (an in-process broker).
         taken = (
             self._pending.run_taken(execution.lock)
             if recorded.exclusive and execution.policy.at_start is Step.REASSERT
@@ -227,16 +227,10 @@ class Runs:
         if run is not None:
             execution.done = self._done(execution, recorded, execution.state)
         if taken is not None and taken[1]:
-            # While that lock surely holds, the run begins and sets its lease on
-            # the way (the mark of a send in flight goes with it); later, its
-            # claim finds the run's own value there. A run queued after its
-            # kiq() has the full TTL already, and no mark: its lease waits for
-            # the end of this turn of the event loop, and a run over by then
-            # (a task that never awaits) sends none.
-            if taken[2]:
-                execution.lease_write = execution.state.locks.extend_soon(taken[0])
-            else:
-                await execution.state.locks.extend_detached(taken[0])
+            # While that lock surely holds, the run begins and sets its lease
+            # on the way (the mark of a send in flight goes with it); later, its
+            # claim finds the run's own value there.
+            await execution.state.locks.extend_detached(taken[0])
             self._begun(execution, recorded, message, taken[0], _BEGUN)
             return
         if run is not None or recorded.merge is not None or recorded.fence is not None:

@@ -6,10 +6,6 @@ broker accepted the message) and the broker's refusal (it did not) each take
 the record back. A run in this process may end the lock in between (an
 in-memory broker runs the task inside ``kiq``): it marks the record, and
 ``post_send`` then leaves the lock alone.
-
-A send that took its lock for a run that ``InMemoryBroker()`` begins
-moments after ``kiq()`` returns is parked here (`PendingSends.park`) until
-that run begins, or until its lock would have lapsed without it.
 """
 
 from __future__ import annotations
@@ -29,9 +25,6 @@ if TYPE_CHECKING:
 #: broker failed never gets a post_send; the oldest is forgotten first, and its
 #: post_send then reads its lock from the message's labels).
 MAX_SENDS_IN_FLIGHT: Final = 4096
-#: Most records kept for runs queued in this process that have yet to begin
-#: (each about 300 bytes; the broker holds a task and its message for each).
-MAX_RUNS_PARKED: Final = 65_536
 
 
 @dataclass(slots=True)
@@ -58,16 +51,12 @@ class PendingSend:
     sent from inside a run that an in-memory broker runs inside ``kiq``)."""
     run: Lock | None = None
     """The run slot (on the run's lease) its acquire took for the run an
-    in-process broker begins inside ``kiq()``, or moments after it: Redis has
-    the run's value in the lock already (marked in flight, on the grace TTL),
-    so the run begins without waiting for a claim."""
+    in-process broker begins inside ``kiq()``: Redis has the run's value in
+    the lock already (marked in flight, on the grace TTL), so the run begins
+    without waiting for a claim."""
     run_until: float = 0.0
     """Until when (``time.monotonic()``) that lock surely holds: half the grace
     TTL, counted from before the acquire was sent."""
-    parked_until: float = 0.0
-    """When parked (its ``post_send`` gave the run's value the full TTL): until
-    when (``time.monotonic()``) that value may still be in Redis if the run
-    never begins, the longest its record is worth keeping."""
 
 
 class PendingSends:
@@ -76,10 +65,6 @@ class PendingSends:
     def __init__(self) -> None:
         """Start with none."""
         self._by_value: dict[str, PendingSend] = {}
-        # Sends over whose run, queued in this process, has yet to begin (oldest first).
-        self._parked: dict[str, PendingSend] = {}
-        # How many were parked after the last look for records past their time.
-        self._parked_looked = 0
 
     def add(self, send: PendingSend) -> None:
         """Remember ``send`` until its ``post_send`` or its refusal."""
@@ -103,51 +88,18 @@ class PendingSends:
             self._by_value[value] = send.outer
         return send
 
-    def run_taken(self, lock: Lock) -> tuple[Lock, bool, bool] | None:
-        """The run slot the send of ``lock`` took for its run, and what is known of it.
+    def run_taken(self, lock: Lock) -> tuple[Lock, bool] | None:
+        """The run slot the send of ``lock`` took for its run, and whether it surely holds still.
 
-        Gives the slot, whether it surely holds still, and whether the send's
-        ``post_send`` gave it the full TTL already (a run queued after its
-        ``kiq()``). Asked once, by the run as it begins; a slot that may have
-        lapsed (the run began late) is claimed as any other, under the run
-        token its send drew.
+        Asked once, by the run that begins inside the send's ``kiq()``; a
+        slot that may have lapsed (the run began late) is claimed as any other.
         """
-        send = self._by_value.get(lock.value) or self._parked.pop(lock.value, None)
+        send = self._by_value.get(lock.value)
         if send is None or send.run is None:
             return None
         fresh = time.monotonic() < send.run_until
         send.run_until = 0.0
-        return send.run, fresh, bool(send.parked_until)
-
-    def park(self, send: PendingSend, grace_ms: int) -> bool:
-        """Keep ``send`` until its run begins, if it is still to; whether it is.
-
-        ``InMemoryBroker()`` begins the run in a task of its own moments after
-        ``kiq()`` returns: the send's ``post_send`` gives the run's value the
-        full TTL of a queued message, and the run begins on it without waiting
-        for a claim, setting its lease on the way. A run that begins late claims
-        with the run token its send drew, which only this record tells it: a
-        claim under another token would find its own value, with nothing to
-        tell it from another delivery's run of the same task, and wait until
-        the lock's TTL lapsed. So a record is kept as long as that value may be
-        in Redis (twice the full TTL, as its write may go out behind a
-        backlog), or until `MAX_RUNS_PARKED` runs wait to begin at once.
-        """
-        if send.run is None or not send.run_until:
-            return False  # it began already, inside kiq()
-        now = time.monotonic()
-        parked = self._parked
-        if len(parked) > max(64, 2 * self._parked_looked):
-            # Records of runs that never began (another middleware's pre_execute
-            # raised), each past its time: looked for as often as the map doubles.
-            for value in [value for value, kept in parked.items() if kept.parked_until <= now]:
-                parked.pop(value, None)  # (a run in another thread may take it first)
-            self._parked_looked = len(parked)
-        while len(parked) >= MAX_RUNS_PARKED:
-            parked.pop(next(iter(parked)), None)
-        send.parked_until = max(now + send.lock.ttl_ms / 500, send.run_until + grace_ms / 2000)
-        parked[send.lock.value] = send
-        return True
+        return send.run, fresh
 
     def end(self, lock: Lock) -> bool:
         """Note that a run ends ``lock``; whether a send of it is still in flight."""

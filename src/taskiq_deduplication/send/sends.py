@@ -161,18 +161,8 @@ class Sends:
         if send is None or send.ended:
             return  # sent without a lock, or its run ended the lock already
         if send.run is not None:
-            # Taken for its run, in this process. A run still to begin
-            # (InMemoryBroker() queues it in this event loop) is a queued
-            # message until then: its value gets the full TTL, the mark of a
-            # send in flight gone with it, and the run sets its lease as it
-            # begins. Inside kiq() it began already, or never will (the broker
-            # dropped the message): the grace TTL frees it.
-            broker = self._options.broker
-            in_place = isinstance(broker, InMemoryBroker) and broker.await_inplace
-            if not in_place and self._pending.park(send, _grace_ms(send.lock)):
-                state = self._states.get() or await self._states.current()
-                ttl_ms = send.lock.ttl_ms if send.extends else 0
-                await state.locks.extend_detached(send.run, ttl_ms=ttl_ms)
+            # Taken for a run inside kiq() that never began (the broker dropped
+            # the message): nothing waits in a queue, and the grace TTL frees it.
             return
         lock = send.lock
         # A lock this send took tells that a broker accepted it (the extension
@@ -248,17 +238,16 @@ class Sends:
         return keys.lock_key_of(self._options.key_prefix, message, send)
 
     def _run_lease_at_send(self, plan: SendPlan, lock: Lock) -> int:
-        """The lease (ms) to take ``lock`` on for a run that begins in this process now, or 0.
+        """The lease (ms) to take ``lock`` on for a run that begins inside this ``kiq()``, or 0.
 
-        ``InMemoryBroker`` begins the run of a first send moments after its
-        acquire: inside its ``kick`` (``await_inplace=True``), or in a task of
-        the same event loop that starts as soon as ``kiq()`` lets it. Its lock
-        is then taken under the run's value (still marked in flight, on the
-        grace TTL), and the run begins without waiting for a claim: it sets its
-        lease on the way. Only a first send (no attempt's lock to carry on, so
-        no copy or success to look for) of a plain exclusive ``"finished"``
-        lock (the lock its own run slot; no merged arguments, no fence, no
-        limit), and only InMemoryBroker's own ``kick`` (a subclass's may queue).
+        An in-process broker that awaits the run inside its ``kick``
+        (``InMemoryBroker(await_inplace=True)``) begins the run of a first send
+        moments after its acquire. Its lock is then taken under the run's value
+        (still marked in flight, on the grace TTL), and the run begins without
+        waiting for a claim: it sets its lease on the way. Only a first send (no
+        attempt's lock to carry on, so no copy or success to look for) of a
+        plain exclusive ``"finished"`` lock (the lock its own run slot; no
+        merged arguments, no fence, no limit).
         """
         send = plan.options
         broker = getattr(self._options, "broker", None)
@@ -269,6 +258,7 @@ class Sends:
             or send.merge is not None
             or plan.fenced
             or not isinstance(broker, InMemoryBroker)
+            or not broker.await_inplace
             or type(broker).kick is not InMemoryBroker.kick  # a kick of its own may not run it
         ):
             return 0
@@ -279,8 +269,8 @@ class Sends:
     ) -> Acquired | None:
         """Take ``lock`` for the grace TTL, with its merged arguments and fence if it has them.
 
-        ``for_run``: take it under the value of the run that this process
-        begins now (`_run_lease_at_send`).
+        ``for_run``: take it under the value of the run inside this ``kiq()``
+        (`_run_lease_at_send`).
 
         A Redis error raises, or with ``fail_open`` is logged and gives ``None``.
 

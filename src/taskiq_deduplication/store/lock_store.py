@@ -513,19 +513,6 @@ class LockStore:
         keys = _keys_of(lock, merge_key, None)
         self._pipeline.queue(self._unsent, keys, [lock.token], f"release lock {lock.key!r}")
 
-    def extend_soon(self, lock: Lock) -> asyncio.Handle:
-        """Give ``lock`` its TTL if still owned, at the end of this turn of the event loop.
-
-        Unless the returned handle is cancelled first: the lease of a run that
-        ends within the turn it began in (a task that never awaits) is no use.
-        Its reply is not awaited.
-        """
-        keys: list[str] = [lock.key]
-        args: list[str | int] = [lock.token, lock.ttl_ms]
-        return asyncio.get_running_loop().call_soon(
-            self._pipeline.queue, self._extend, keys, args, f"extend lock {lock.key!r}"
-        )
-
     def release_detached(self, lock: Lock) -> None:
         """Release ``lock`` if still owned, soon, without waiting for the reply."""
         self._pipeline.queue(self._release, [lock.key], [lock.token], f"release lock {lock.key!r}")
