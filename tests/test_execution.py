@@ -305,8 +305,7 @@ async def test_a_retry_is_not_a_duplicate_of_itself(
     async def flaky(user_id: int, context: Context = TaskiqDepends()) -> str:
         attempts.append(context.message.task_id)
         (key,) = await lock_keys(redis_client, prefix)
-        # Its holder; the first run may begin before the write that marks its
-        # send accepted reaches Redis (a run that began on its send's lock).
+        # Its holder's task_id, whatever mark follows it in the value.
         holders.append(holder_task_id(await lock_value(redis_client, key)) or "")
         try:
             await flaky.kiq(user_id=user_id)  # a duplicate sent in between

@@ -218,20 +218,20 @@ class Runs:
             if recorded.exclusive and execution.policy.at_start is Step.REASSERT
             else None
         )
+        run: Lock | None = None
+        holds = False
         if taken is not None:
-            run: Lock | None = taken[0]
+            run, holds = taken
         elif recorded.exclusive:
             run = self._run_slot(execution, recorded, execution.state)
-        else:
-            run = None
         if run is not None:
             execution.done = self._done(execution, recorded, execution.state)
-        if taken is not None and taken[1]:
+        if run is not None and holds:
             # While that lock surely holds, the run begins and sets its lease
             # on the way (the mark of a send in flight goes with it); later, its
             # claim finds the run's own value there.
-            await execution.state.locks.extend_detached(taken[0])
-            self._begun(execution, recorded, message, taken[0], _BEGUN)
+            await execution.state.locks.extend_detached(run)
+            self._begun(execution, recorded, message, run, _BEGUN)
             return
         if run is not None or recorded.merge is not None or recorded.fence is not None:
             await self._claim(execution, recorded, message, run)
