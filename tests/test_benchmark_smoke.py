@@ -8,9 +8,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
+
+from tests.benchmarks import instructions
+from tests.benchmarks.harness import Probe
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = (
@@ -79,3 +83,35 @@ def test_quick_benchmark_writes_every_section(redis_url: str, tmp_path: Path) ->
     }
     assert results["machine"]["nproc"]
     assert "## targets" in completed.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(
+    instructions.available() is not None, reason=f"--instructions: {instructions.available()}"
+)
+def test_the_instructions_of_a_send_are_counted(redis_url: str, tmp_path: Path) -> None:
+    # Two children under callgrind (half a minute each): the ruler's difference
+    # is one kiq() with the middleware, its interpreter's start cancelled out.
+    prefix = f"bmi{uuid.uuid4().hex[:8]}:"
+    probe = Probe(redis_url)
+    try:
+        ruler = instructions.Ruler(redis_url, prefix, tmp_path, quick=True)
+        per_send = ruler.per_operation("send", "dedup")
+    finally:
+        probe.delete(prefix)
+        probe.close()
+    # Tens of thousands of Python bytecodes' worth, not a start-up's billions
+    # nor a difference that came out empty.
+    assert 50_000 < per_send < 50_000_000
+
+
+def test_instruction_figures_are_told_against_their_baselines() -> None:
+    figures = {
+        "send": {"without": 100_000.0, "dedup": 600_000.0, "bare_evalsha": 400_000.0},
+        "run": dict.fromkeys(instructions.RUN_VARIANTS, 1_000_000.0)
+        | {"without": 800_000.0, "floor": 1_000_000.0, "dedup": 1_600_000.0},
+    }
+    text = instructions.describe(figures)
+    assert "added by the middleware            500,000  (1.25 bare EVALSHAs" in text
+    assert "a run, dedup                     1,600,000  (2.00 of without, 0.62 floor/this)" in text

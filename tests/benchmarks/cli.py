@@ -10,6 +10,7 @@ import os
 import shlex
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -66,6 +67,11 @@ def _parser() -> argparse.ArgumentParser:
         help="also profile the send path with py-spy and say where the time goes",
     )
     parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="also count the instructions of a send and of a run (valgrind's callgrind)",
+    )
+    parser.add_argument(
         "--only",
         action="append",
         choices=SECTIONS,
@@ -120,6 +126,40 @@ async def _run_once(bench: scenarios.Bench, only: list[str] | None) -> report.Re
     return results
 
 
+def _extras(
+    args: argparse.Namespace, url: str, probe: Probe, settings: scenarios.Settings
+) -> dict[str, report.Results | None]:
+    """What ``--profile`` and ``--instructions`` add to the results (``None``: not asked)."""
+    extras: dict[str, report.Results | None] = {"profile": None, "instructions": None}
+    if args.profile:
+        from tests.benchmarks import profiling  # noqa: PLC0415 (needs py-spy, which is optional)
+
+        bench = scenarios.Bench(url, probe, settings)
+        try:
+            extras["profile"] = asyncio.run(profiling.send_path(bench, args.json.parent))
+        finally:
+            for prefix in bench.prefixes:
+                probe.delete(prefix)
+    if args.instructions:
+        extras["instructions"] = _count_instructions(url, probe, quick=args.quick)
+    return extras
+
+
+def _count_instructions(url: str, probe: Probe, *, quick: bool) -> report.Results:
+    """Instructions per send and per run (see `tests.benchmarks.instructions`)."""
+    from tests.benchmarks import instructions  # noqa: PLC0415 (runs valgrind)
+
+    why_not = instructions.available()
+    if why_not is not None:
+        raise SystemExit(f"--instructions: {why_not}")
+    _say("counting instructions under callgrind (a few minutes)")
+    prefix = f"bmi{uuid.uuid4().hex[:8]}:"
+    try:
+        return instructions.measure(url, prefix, quick=quick)
+    finally:
+        probe.delete(prefix)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table, write the JSON (and the charts)."""
     args = _parser().parse_args(argv)
@@ -129,7 +169,6 @@ def main(argv: list[str] | None = None) -> int:
     quiet_logging()
     started = time.perf_counter()
     runs: list[report.Results] = []
-    profile: report.Results | None = None
     with _redis(args.redis_url) as (url, own_server):
         probe = Probe(url)
         try:
@@ -143,15 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                 finally:
                     for prefix in bench.prefixes:
                         probe.delete(prefix)
-            if args.profile:
-                from tests.benchmarks import profiling  # noqa: PLC0415 (needs py-spy, which is optional)
-
-                bench = scenarios.Bench(url, probe, settings)
-                try:
-                    profile = asyncio.run(profiling.send_path(bench, args.json.parent))
-                finally:
-                    for prefix in bench.prefixes:
-                        probe.delete(prefix)
+            extras = _extras(args, url, probe, settings)
         finally:
             probe.close()
     meta["load_average_end"] = list(os.getloadavg())
@@ -164,17 +195,21 @@ def main(argv: list[str] | None = None) -> int:
         "settings": asdict(settings),
         "summary": summary,
         "targets": target_rows,
-        "profile": profile,
+        **extras,
         "runs": runs,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(output, indent=2) + "\n")
     sys.stdout.flush()
     sys.stdout.write(report.table(summary, target_rows))
-    if profile is not None:
+    if extras["profile"] is not None:
         from tests.benchmarks import profiling  # noqa: PLC0415
 
-        sys.stdout.write(profiling.describe(profile))
+        sys.stdout.write(profiling.describe(extras["profile"]))
+    if extras["instructions"] is not None:
+        from tests.benchmarks import instructions  # noqa: PLC0415
+
+        sys.stdout.write(instructions.describe(extras["instructions"]))
     if args.plot:
         from tests.benchmarks import charts  # noqa: PLC0415 (matplotlib is optional)
 

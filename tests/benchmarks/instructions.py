@@ -1,0 +1,230 @@
+"""Instructions per send and per run, counted by valgrind's callgrind: a ruler noise does not bend.
+
+``python -m tests.benchmarks --instructions`` (needs ``valgrind``). On a shared
+machine a drain or a ``compare.sh`` run cannot tell a change of a few percent
+from the weather: the same tree moves by more than that between runs. Callgrind
+counts the instructions the client executes instead, and those are the same,
+to about 0.1 %, for the same interpreter, code and inputs, whatever else the
+machine is doing.
+
+Each figure takes two child processes under ``valgrind --tool=callgrind``,
+doing the same thing ``low`` and ``high`` times:
+``(I(high) - I(low)) / (high - low)`` is the instructions of one more, the
+interpreter's start, the imports and the connections cancelling out.
+
+- **send**: one ``kiq()`` on a null broker, without and with the middleware,
+  and the unit of ``rt_limit.py``: one bare ``EVALSHA`` through redis-py.
+- **run**: one run of a 1 ms task on a worker: taskiq's ``Receiver`` drains a
+  ``ListQueueBroker`` queue, 100 runs at a time, as ``taskiq worker`` does.
+  Without a middleware, with `worker_app.Floor` (one awaited script at each
+  end of a run, nothing else), with ours, and with ours less one feature each
+  (metrics, heartbeat), to see what each costs. The queue is filled by a
+  sender outside valgrind, with the same middleware, so every message carries
+  what the variant's sends write on it.
+
+Instructions are not time: a round trip's wait costs none, and Redis' own
+work is not in them. They are the client's CPU, which is what the drain runs
+out of.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SEND_VARIANTS = ("without", "dedup", "bare_evalsha")
+RUN_VARIANTS = ("without", "floor", "dedup", "dedup_no_metrics", "dedup_no_heartbeat")
+#: Middleware options of each run variant that uses ours.
+_OPTIONS: dict[str, dict[str, Any]] = {
+    "dedup": {},
+    "dedup_no_metrics": {"metrics": False},
+    "dedup_no_heartbeat": {"heartbeat": False},
+}
+_TOTAL = re.compile(rb"^(?:summary|totals): (\d+)", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Counts:
+    """How many operations the two child processes of a figure do."""
+
+    low: int
+    high: int
+
+    @classmethod
+    def for_kind(cls, kind: str, *, quick: bool) -> Counts:
+        """The counts of ``kind`` ("send" or "run"): a few in a quick run."""
+        if quick:
+            return cls(10, 30)
+        return cls(500, 1500) if kind == "send" else cls(200, 600)
+
+
+def available() -> str | None:
+    """Why instructions cannot be counted here, or ``None`` if they can."""
+    if shutil.which("valgrind") is None:
+        return "valgrind is not installed (Debian: apt install valgrind)"
+    return None
+
+
+def measure(url: str, prefix: str, *, quick: bool) -> dict[str, dict[str, float]]:
+    """Instructions per send and per run of every variant, on the Redis at ``url``.
+
+    Every key the children make starts with ``prefix``, for the caller to delete.
+    """
+    with tempfile.TemporaryDirectory(prefix="dedup-callgrind-") as scratch:
+        ruler = Ruler(url, prefix, Path(scratch), quick=quick)
+        return {
+            "send": {variant: ruler.per_operation("send", variant) for variant in SEND_VARIANTS},
+            "run": {variant: ruler.per_operation("run", variant) for variant in RUN_VARIANTS},
+        }
+
+
+def describe(results: dict[str, dict[str, float]]) -> str:
+    """The figures as text, with each variant against its baseline."""
+    send, run = results["send"], results["run"]
+    lines = ["", "Instructions (callgrind; the client's, per operation)", ""]
+    lines.append(f"  kiq(), plain taskiq            {send['without']:>11,.0f}")
+    lines.append(f"  kiq(), with the middleware     {send['dedup']:>11,.0f}")
+    added = send["dedup"] - send["without"]
+    lines.append(
+        f"  added by the middleware        {added:>11,.0f}"
+        f"  ({added / send['bare_evalsha']:.2f} bare EVALSHAs through redis-py,"
+        f" {send['bare_evalsha']:,.0f} each)"
+    )
+    lines.append("")
+    for variant in RUN_VARIANTS:
+        figure = run[variant]
+        lines.append(
+            f"  a run, {variant:<24}{figure:>11,.0f}"
+            f"  ({figure / run['without']:.2f} of without, {run['floor'] / figure:.2f} floor/this)"
+        )
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class Ruler:
+    """Counts the instructions of child processes on one Redis, under one key prefix."""
+
+    url: str
+    prefix: str
+    scratch: Path
+    quick: bool
+
+    def per_operation(self, kind: str, variant: str) -> float:
+        """The instructions of one more ``kind`` ("send" or "run") of ``variant``."""
+        counts = Counts.for_kind(kind, quick=self.quick)
+        low = self._instructions(kind, variant, counts.low)
+        high = self._instructions(kind, variant, counts.high)
+        return (high - low) / (counts.high - counts.low)
+
+    def _instructions(self, kind: str, variant: str, count: int) -> int:
+        """The instructions of a child process that does ``count`` of ``kind``."""
+        prefix = f"{self.prefix}{kind}:{variant}:{count}:"
+        child = [sys.executable, "-m", "tests.benchmarks.instructions", kind, variant]
+        child += [self.url, str(count), prefix]
+        environment = {**os.environ, "PYTHONHASHSEED": "0"}
+        if kind == "run":  # the queue is filled outside valgrind
+            subprocess.run([*child, "fill"], cwd=ROOT, env=environment, check=True)
+        output = self.scratch / f"callgrind.{kind}.{variant}.{count}"
+        subprocess.run(
+            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={output}", *child],
+            cwd=ROOT,
+            env=environment,
+            check=True,
+            capture_output=True,
+        )
+        found = _TOTAL.search(output.read_bytes())
+        if found is None:
+            msg = f"no instruction total in {output}"
+            raise RuntimeError(msg)
+        return int(found.group(1))
+
+
+# The child processes
+
+
+async def _send(variant: str, url: str, count: int, prefix: str) -> None:
+    """``count`` sequential ``kiq()``s (or bare ``EVALSHA``s), after 50 to warm up."""
+    import redis.asyncio  # noqa: PLC0415 (in the child only)
+    from taskiq import AsyncBroker  # noqa: PLC0415
+
+    from taskiq_deduplication import RedisDeduplicationMiddleware  # noqa: PLC0415
+    from tests.benchmarks.harness import NullBroker  # noqa: PLC0415
+
+    if variant == "bare_evalsha":  # rt_limit.py's unit
+        client = redis.asyncio.Redis.from_url(url)
+        script = client.register_script(
+            "local v=redis.call('GET',KEYS[1]) if v then return v end "
+            "redis.call('SET',KEYS[1],ARGV[1],'PX',ARGV[2]) return false"
+        )
+        for n in range(-50, count):
+            await script(keys=[f"{prefix}{n}"], args=["a", 10_000])
+        await client.aclose()
+        return
+    broker: AsyncBroker = NullBroker()
+    if variant == "dedup":
+        broker = broker.with_middlewares(RedisDeduplicationMiddleware(url, key_prefix=prefix))
+
+    @broker.task(task_name="bench_send")
+    async def task(n: int) -> None: ...
+
+    await broker.startup()
+    for n in range(-50, count):
+        await task.kiq(n)
+    await broker.shutdown()
+
+
+async def _run(variant: str, url: str, count: int, prefix: str, *, fill: bool) -> None:
+    """Fill the variant's queue with ``count`` tasks, or drain it as a worker does."""
+    from taskiq.receiver import Receiver  # noqa: PLC0415 (in the child only)
+    from taskiq_redis import ListQueueBroker  # noqa: PLC0415
+
+    from taskiq_deduplication import RedisDeduplicationMiddleware  # noqa: PLC0415
+    from tests.benchmarks.worker_app import Floor  # noqa: PLC0415
+
+    middlewares: list[Any] = []
+    if variant == "floor":
+        middlewares.append(Floor(url, prefix))
+    elif variant in _OPTIONS:
+        options = {"key_prefix": prefix, "default_ttl": 300, **_OPTIONS[variant]}
+        middlewares.append(RedisDeduplicationMiddleware(url, **options))
+    broker = ListQueueBroker(url, queue_name=f"{prefix}queue", socket_timeout=None)
+    broker = broker.with_middlewares(*middlewares)
+
+    @broker.task(task_name="bench_sleep")
+    async def sleep(n: int, seconds: float) -> int:
+        await asyncio.sleep(seconds)
+        return n
+
+    if fill:
+        await broker.startup()
+        for n in range(count):
+            await sleep.kiq(n, 0.001)
+        await broker.shutdown()
+        return
+    broker.is_worker_process = True
+    await broker.startup()
+    receiver = Receiver(broker, max_async_tasks=100, max_tasks_to_execute=count, run_startup=False)
+    await receiver.listen(asyncio.Event())
+    await broker.shutdown()
+
+
+def _child(argv: list[str]) -> None:
+    kind, variant, url, count, prefix, *rest = argv
+    if kind == "send":
+        asyncio.run(_send(variant, url, int(count), prefix))
+    else:
+        asyncio.run(_run(variant, url, int(count), prefix, fill=rest == ["fill"]))
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1:])
