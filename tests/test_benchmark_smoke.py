@@ -98,12 +98,16 @@ def test_the_instructions_of_a_send_are_counted(redis_url: str, tmp_path: Path) 
     try:
         ruler = instructions.Ruler(redis_url, prefix, tmp_path, quick=True)
         per_send = ruler.per_operation("send", "dedup")
+        parts = ruler.bytecodes("send", "dedup")
     finally:
         probe.delete(prefix)
         probe.close()
     # Tens of thousands of Python bytecodes' worth, not a start-up's billions
     # nor a difference that came out empty.
     assert 50_000 < per_send < 50_000_000
+    # The traced child found the middleware's own parts, each by where its code is.
+    assert parts["store/: the pipeline, the wire, the calls"] > 100
+    assert parts["send/: sends"] > 10
 
 
 def test_instruction_figures_are_told_against_their_baselines() -> None:
@@ -111,7 +115,15 @@ def test_instruction_figures_are_told_against_their_baselines() -> None:
         "send": {"without": 100_000.0, "dedup": 600_000.0, "bare_evalsha": 400_000.0},
         "run": dict.fromkeys(instructions.RUN_VARIANTS, 1_000_000.0)
         | {"without": 800_000.0, "floor": 1_000_000.0, "dedup": 1_600_000.0},
+        "bytecodes": {
+            "run": {"floor": {"asyncio": 900.0}, "dedup": {"asyncio": 1_000.0, "run/": 50.0}}
+        },
     }
     text = instructions.describe(figures)
     assert "added by the middleware            500,000  (1.25 bare EVALSHAs" in text
     assert "a run, dedup                     1,600,000  (2.00 of without, 0.62 floor/this)" in text
+    assert "bytecodes a run, dedup over floor" in text
+    assert "bytecodes a send" not in text  # none were traced
+    assert (
+        "       100  asyncio\n          50  run/\n         150  in all (1,050 against 900)" in text
+    )

@@ -25,19 +25,30 @@ interpreter's start, the imports and the connections cancelling out.
 Instructions are not time: a round trip's wait costs none, and Redis' own
 work is not in them. They are the client's CPU, which is what the drain runs
 out of.
+
+Where they go: one more child per variant, not under valgrind, counts the
+bytecodes each Python function executes in the measured part (``sys.settrace``
+with opcode events: as deterministic, and far quicker), and `PARTS` sums them
+by part of the code; the table gives each part's bytecodes per operation over
+the baseline's (a run: the floor; a send: plain taskiq).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,6 +62,26 @@ _OPTIONS: dict[str, dict[str, Any]] = {
     "dedup_no_heartbeat": {"heartbeat": False},
 }
 _TOTAL = re.compile(rb"^(?:summary|totals): (\d+)", re.MULTILINE)
+#: The bytecode traces, by part: (where the code is, the part), the first that matches.
+PARTS = (
+    ("taskiq_deduplication/store/", "store/: the pipeline, the wire, the calls"),
+    ("taskiq_deduplication/run/", "run/: runs, executions, the heartbeat"),
+    ("taskiq_deduplication/send/", "send/: sends"),
+    ("taskiq_deduplication/model/", "model/: labels, fingerprint, formats"),
+    ("taskiq_deduplication/observe/", "metrics and events"),
+    ("prometheus_client/", "metrics and events"),
+    ("taskiq_deduplication/", "the rest of the middleware"),
+    ("tests/benchmarks/worker_app.py", "the floor's middleware"),
+    ("<string>", "dataclass constructors"),
+    ("asyncio/", "asyncio"),
+    ("selectors.py", "asyncio"),
+    ("taskiq/", "taskiq"),
+    ("taskiq_redis/", "taskiq-redis"),
+    ("redis/", "redis-py"),
+)
+#: The variant whose bytecodes each kind's parts are told against.
+_BASELINE = {"send": "without", "run": "floor"}
+_TRACE_ENV = "DEDUP_BENCH_TRACE"
 
 
 @dataclass(frozen=True)
@@ -75,7 +106,7 @@ def available() -> str | None:
     return None
 
 
-def measure(url: str, prefix: str, *, quick: bool) -> dict[str, dict[str, float]]:
+def measure(url: str, prefix: str, *, quick: bool) -> dict[str, Any]:
     """Instructions per send and per run of every variant, on the Redis at ``url``.
 
     Every key the children make starts with ``prefix``, for the caller to delete.
@@ -85,10 +116,14 @@ def measure(url: str, prefix: str, *, quick: bool) -> dict[str, dict[str, float]
         return {
             "send": {variant: ruler.per_operation("send", variant) for variant in SEND_VARIANTS},
             "run": {variant: ruler.per_operation("run", variant) for variant in RUN_VARIANTS},
+            "bytecodes": {
+                kind: {variant: ruler.bytecodes(kind, variant) for variant in (baseline, "dedup")}
+                for kind, baseline in _BASELINE.items()
+            },
         }
 
 
-def describe(results: dict[str, dict[str, float]]) -> str:
+def describe(results: dict[str, Any]) -> str:
     """The figures as text, with each variant against its baseline."""
     send, run = results["send"], results["run"]
     lines = ["", "Instructions (callgrind; the client's, per operation)", ""]
@@ -107,7 +142,24 @@ def describe(results: dict[str, dict[str, float]]) -> str:
             f"  a run, {variant:<24}{figure:>11,.0f}"
             f"  ({figure / run['without']:.2f} of without, {run['floor'] / figure:.2f} floor/this)"
         )
+    for kind, baseline in _BASELINE.items():
+        traced = results.get("bytecodes", {}).get(kind)
+        if traced:
+            lines += ["", f"  bytecodes a {kind}, dedup over {baseline}, by part"]
+            lines += _by_part(traced["dedup"], traced[baseline])
     return "\n".join(lines) + "\n"
+
+
+def _by_part(ours: dict[str, float], theirs: dict[str, float]) -> list[str]:
+    """Lines of the bytecodes each part executes more (or less) in ``ours``, most first."""
+    lines = []
+    for part in sorted(set(ours) | set(theirs), key=lambda p: theirs.get(p, 0) - ours.get(p, 0)):
+        extra = ours.get(part, 0) - theirs.get(part, 0)
+        if abs(extra) >= 1:
+            lines.append(f"    {extra:>8,.0f}  {part}")
+    mine, baseline = sum(ours.values()), sum(theirs.values())
+    lines.append(f"    {mine - baseline:>8,.0f}  in all ({mine:,.0f} against {baseline:,.0f})")
+    return lines
 
 
 @dataclass(frozen=True)
@@ -125,6 +177,25 @@ class Ruler:
         low = self._instructions(kind, variant, counts.low)
         high = self._instructions(kind, variant, counts.high)
         return (high - low) / (counts.high - counts.low)
+
+    def bytecodes(self, kind: str, variant: str) -> dict[str, float]:
+        """The bytecodes a ``kind`` of ``variant`` executes, by part (`PARTS`), per operation."""
+        count = Counts.for_kind(kind, quick=self.quick).low
+        prefix = f"{self.prefix}{kind}:{variant}:traced:"
+        child = [sys.executable, "-m", "tests.benchmarks.instructions", kind, variant]
+        child += [self.url, str(count), prefix]
+        output = self.scratch / f"bytecodes.{kind}.{variant}.json"
+        environment = {**os.environ, "PYTHONHASHSEED": "0"}
+        if kind == "run":
+            subprocess.run([*child, "fill"], cwd=ROOT, env=environment, check=True)
+        environment[_TRACE_ENV] = str(output)
+        subprocess.run(child, cwd=ROOT, env=environment, check=True, capture_output=True)
+        by_function: dict[str, int] = json.loads(output.read_text())
+        parts: dict[str, float] = {}
+        for where, executed in by_function.items():
+            part = next((name for path, name in PARTS if path in where), "other")
+            parts[part] = parts.get(part, 0) + executed / count
+        return parts
 
     def _instructions(self, kind: str, variant: str, count: int) -> int:
         """The instructions of a child process that does ``count`` of ``kind``."""
@@ -150,6 +221,35 @@ class Ruler:
 
 
 # The child processes
+
+
+@contextlib.contextmanager
+def _traced() -> Iterator[None]:
+    """Count the bytecodes each function executes inside, if the parent asked for it."""
+    output = os.environ.get(_TRACE_ENV)
+    if not output:
+        yield
+        return
+    executed: Counter[str] = Counter()
+
+    def opcodes(frame: FrameType, event: str, _arg: object) -> Any:
+        if event == "opcode":
+            executed[frame.f_code.co_filename] += 1
+        return opcodes
+
+    def calls(frame: FrameType, event: str, _arg: object) -> Any:
+        if event == "call":
+            frame.f_trace_opcodes = True
+            frame.f_trace_lines = False
+            return opcodes
+        return None
+
+    sys.settrace(calls)
+    try:
+        yield
+    finally:
+        sys.settrace(None)
+        Path(output).write_text(json.dumps(executed))
 
 
 async def _send(variant: str, url: str, count: int, prefix: str) -> None:
@@ -178,8 +278,11 @@ async def _send(variant: str, url: str, count: int, prefix: str) -> None:
     async def task(n: int) -> None: ...
 
     await broker.startup()
-    for n in range(-50, count):
+    for n in range(-50, 0):
         await task.kiq(n)
+    with _traced():
+        for n in range(count):
+            await task.kiq(n)
     await broker.shutdown()
 
 
@@ -214,7 +317,8 @@ async def _run(variant: str, url: str, count: int, prefix: str, *, fill: bool) -
     broker.is_worker_process = True
     await broker.startup()
     receiver = Receiver(broker, max_async_tasks=100, max_tasks_to_execute=count, run_startup=False)
-    await receiver.listen(asyncio.Event())
+    with _traced():
+        await receiver.listen(asyncio.Event())
     await broker.shutdown()
 
 
