@@ -5,10 +5,12 @@ No timing is checked here: the figures belong to docs/performance.md, not to CI.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -91,23 +93,41 @@ def test_quick_benchmark_writes_every_section(redis_url: str, tmp_path: Path) ->
     instructions.available() is not None, reason=f"--instructions: {instructions.available()}"
 )
 def test_the_instructions_of_a_send_are_counted(redis_url: str, tmp_path: Path) -> None:
-    # Two children under callgrind (half a minute each): the ruler's difference
-    # is one kiq() with the middleware, its interpreter's start cancelled out.
-    prefix = f"bmi{uuid.uuid4().hex[:8]}:"
-    probe = Probe(redis_url)
-    try:
-        ruler = instructions.Ruler(redis_url, prefix, tmp_path, quick=True)
+    # Two children under callgrind (half a minute or more each): the ruler's
+    # difference is one kiq() with the middleware, its interpreter's start cancelled out.
+    with _ruler(redis_url, tmp_path) as ruler:
         per_send = ruler.per_operation("send", "dedup")
-        parts = ruler.bytecodes("send", "dedup")
-    finally:
-        probe.delete(prefix)
-        probe.close()
     # Tens of thousands of Python bytecodes' worth, not a start-up's billions
     # nor a difference that came out empty.
     assert 50_000 < per_send < 50_000_000
-    # The traced child found the middleware's own parts, each by where its code is.
-    assert parts["store/: the pipeline, the wire, the calls"] > 100
-    assert parts["send/: sends"] > 10
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_bytecodes_of_a_send_and_a_run_are_told_by_part(redis_url: str, tmp_path: Path) -> None:
+    # No valgrind here: four traced children, a few seconds each.
+    with _ruler(redis_url, tmp_path) as ruler:
+        send = ruler.bytecodes("send", "dedup")
+        run = ruler.bytecodes("run", "dedup")
+    # Each part is found where its code is; a kiq() of the middleware's runs no run/ code.
+    assert send["store/: the pipeline, the wire, the calls"] > 100
+    assert send["send/: sends"] > 10
+    assert send.get("run/: runs, executions, the heartbeat", 0) < send["send/: sends"]
+    assert run["run/: runs, executions, the heartbeat"] > 100
+    assert run["redis-py"] > 100  # taskiq-redis' BRPOP, not counted as asyncio
+    assert run["asyncio"] > 100
+
+
+@contextlib.contextmanager
+def _ruler(redis_url: str, scratch: Path) -> Iterator[instructions.Ruler]:
+    """A quick ruler on ``redis_url``, whose keys go when it is done."""
+    prefix = f"bmi{uuid.uuid4().hex[:8]}:"
+    probe = Probe(redis_url)
+    try:
+        yield instructions.Ruler(redis_url, prefix, scratch, quick=True)
+    finally:
+        probe.delete(prefix)
+        probe.close()
 
 
 def test_instruction_figures_are_told_against_their_baselines() -> None:

@@ -1,11 +1,11 @@
-"""Instructions per send and per run, counted by valgrind's callgrind: a ruler noise does not bend.
+"""Instructions per send and per run, counted by valgrind's callgrind: a ruler for small changes.
 
 ``python -m tests.benchmarks --instructions`` (needs ``valgrind``). On a shared
 machine a drain or a ``compare.sh`` run cannot tell a change of a few percent
 from the weather: the same tree moves by more than that between runs. Callgrind
-counts the instructions the client executes instead, and those are the same,
-to about 0.1 %, for the same interpreter, code and inputs, whatever else the
-machine is doing.
+counts the instructions the client executes instead; for the same interpreter,
+code and inputs they repeat to a few tenths of a percent (timers that fire or
+not in a turn of the event loop are what is left of the weather).
 
 Each figure takes two child processes under ``valgrind --tool=callgrind``,
 doing the same thing ``low`` and ``high`` times:
@@ -20,17 +20,18 @@ interpreter's start, the imports and the connections cancelling out.
   end of a run, nothing else), with ours, and with ours less one feature each
   (metrics, heartbeat), to see what each costs. The queue is filled by a
   sender outside valgrind, with the same middleware, so every message carries
-  what the variant's sends write on it.
+  what the variant's sends write on it. A child whose runs did not all run,
+  or that logged a warning, fails: its count would measure something else.
 
 Instructions are not time: a round trip's wait costs none, and Redis' own
-work is not in them. They are the client's CPU, which is what the drain runs
-out of.
+work is not in them. They are the client's CPU, which is what a drain runs
+out of when the variants compared wait for Redis as often.
 
-Where they go: one more child per variant, not under valgrind, counts the
-bytecodes each Python function executes in the measured part (``sys.settrace``
-with opcode events: as deterministic, and far quicker), and `PARTS` sums them
-by part of the code; the table gives each part's bytecodes per operation over
-the baseline's (a run: the floor; a send: plain taskiq).
+Where they go: two more children per variant, not under valgrind, count the
+bytecodes each source file executes in the measured part (``sys.settrace``
+with opcode events), ``low`` and ``high`` times again; the parts of the code
+(`_parts`) sum them, and the table gives each part's bytecodes per operation
+over the baseline's (a run: the floor; a send: plain taskiq).
 """
 
 from __future__ import annotations
@@ -38,8 +39,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
+import selectors
+import shlex
 import shutil
 import subprocess
 import sys
@@ -50,6 +54,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
+
+import redis
+import taskiq
+import taskiq_redis
+
+import taskiq_deduplication
+from tests.benchmarks import worker_app
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,26 +73,47 @@ _OPTIONS: dict[str, dict[str, Any]] = {
     "dedup_no_heartbeat": {"heartbeat": False},
 }
 _TOTAL = re.compile(rb"^(?:summary|totals): (\d+)", re.MULTILINE)
-#: The bytecode traces, by part: (where the code is, the part), the first that matches.
-PARTS = (
-    ("taskiq_deduplication/store/", "store/: the pipeline, the wire, the calls"),
-    ("taskiq_deduplication/run/", "run/: runs, executions, the heartbeat"),
-    ("taskiq_deduplication/send/", "send/: sends"),
-    ("taskiq_deduplication/model/", "model/: labels, fingerprint, formats"),
-    ("taskiq_deduplication/observe/", "metrics and events"),
-    ("prometheus_client/", "metrics and events"),
-    ("taskiq_deduplication/", "the rest of the middleware"),
-    ("tests/benchmarks/worker_app.py", "the floor's middleware"),
-    ("<string>", "dataclass constructors"),
-    ("asyncio/", "asyncio"),
-    ("selectors.py", "asyncio"),
-    ("taskiq/", "taskiq"),
-    ("taskiq_redis/", "taskiq-redis"),
-    ("redis/", "redis-py"),
-)
+GENERATED = "generated methods (dataclasses, namedtuples)"
 #: The variant whose bytecodes each kind's parts are told against.
 _BASELINE = {"send": "without", "run": "floor"}
 _TRACE_ENV = "DEDUP_BENCH_TRACE"
+#: How long a child may take (seconds): valgrind runs the client some 50 times slower.
+_CHILD_TIMEOUT = 1800
+
+
+def _parts() -> list[tuple[str, str]]:
+    """Where each part of the code is (a directory or a file), the most specific first."""
+    ours = Path(taskiq_deduplication.__file__).parent
+    places: list[tuple[Path, str]] = [
+        (ours / "store", "store/: the pipeline, the wire, the calls"),
+        (ours / "run", "run/: runs, executions, the heartbeat"),
+        (ours / "send", "send/: sends"),
+        (ours / "model", "model/: labels, fingerprint, formats"),
+        (ours / "observe", "metrics and events"),
+        (ours, "the rest of the middleware"),
+        (Path(worker_app.__file__), "the floor's middleware"),
+        (Path(taskiq_redis.__file__).parent, "taskiq-redis"),
+        (Path(taskiq.__file__).parent, "taskiq"),
+        (Path(redis.__file__).parent, "redis-py"),
+        (Path(asyncio.__file__).parent, "asyncio"),
+        (Path(selectors.__file__), "asyncio"),
+    ]
+    with contextlib.suppress(ImportError):  # the metrics extra
+        import prometheus_client  # noqa: PLC0415
+
+        places.insert(5, (Path(prometheus_client.__file__).parent, "metrics and events"))
+    return [(str(place.resolve()), part) for place, part in places]
+
+
+def part_of(source: str, parts: list[tuple[str, str]]) -> str:
+    """The part of the code ``source`` (a code object's file name) belongs to."""
+    if source.startswith("<"):  # code made at run time: <string> is a dataclass's __init__
+        return GENERATED
+    resolved = str(Path(source).resolve())
+    for place, part in parts:
+        if resolved == place or resolved.startswith(place + os.sep):
+            return part
+    return "other (the standard library, pydantic, ...)"
 
 
 @dataclass(frozen=True)
@@ -174,50 +206,86 @@ class Ruler:
     def per_operation(self, kind: str, variant: str) -> float:
         """The instructions of one more ``kind`` ("send" or "run") of ``variant``."""
         counts = Counts.for_kind(kind, quick=self.quick)
-        low = self._instructions(kind, variant, counts.low)
-        high = self._instructions(kind, variant, counts.high)
+        low = self._instructions(kind, variant, counts.low, "low")
+        high = self._instructions(kind, variant, counts.high, "high")
         return (high - low) / (counts.high - counts.low)
 
     def bytecodes(self, kind: str, variant: str) -> dict[str, float]:
-        """The bytecodes a ``kind`` of ``variant`` executes, by part (`PARTS`), per operation."""
-        count = Counts.for_kind(kind, quick=self.quick).low
-        prefix = f"{self.prefix}{kind}:{variant}:traced:"
-        child = [sys.executable, "-m", "tests.benchmarks.instructions", kind, variant]
-        child += [self.url, str(count), prefix]
-        output = self.scratch / f"bytecodes.{kind}.{variant}.json"
-        environment = {**os.environ, "PYTHONHASHSEED": "0"}
-        if kind == "run":
-            subprocess.run([*child, "fill"], cwd=ROOT, env=environment, check=True)
-        environment[_TRACE_ENV] = str(output)
-        subprocess.run(child, cwd=ROOT, env=environment, check=True, capture_output=True)
-        by_function: dict[str, int] = json.loads(output.read_text())
-        parts: dict[str, float] = {}
-        for where, executed in by_function.items():
-            part = next((name for path, name in PARTS if path in where), "other")
-            parts[part] = parts.get(part, 0) + executed / count
-        return parts
+        """The bytecodes one more ``kind`` of ``variant`` executes, by part of the code."""
+        counts = Counts.for_kind(kind, quick=self.quick)
+        parts = _parts()
+        low = self._traced(kind, variant, counts.low, "low", parts)
+        high = self._traced(kind, variant, counts.high, "high", parts)
+        return {
+            part: (high.get(part, 0) - low.get(part, 0)) / (counts.high - counts.low)
+            for part in high.keys() | low.keys()
+        }
 
-    def _instructions(self, kind: str, variant: str, count: int) -> int:
+    def _traced(
+        self, kind: str, variant: str, count: int, tag: str, parts: list[tuple[str, str]]
+    ) -> dict[str, int]:
+        """The bytecodes a child doing ``count`` of ``kind`` executes, by part."""
+        output = self.scratch / f"bytecodes.{kind}.{variant}.{tag}.json"
+        self._run_child(kind, variant, count, f"traced-{tag}", trace_to=output)
+        by_part: dict[str, int] = {}
+        for source, executed in json.loads(output.read_text()).items():
+            part = part_of(source, parts)
+            by_part[part] = by_part.get(part, 0) + executed
+        return by_part
+
+    def _instructions(self, kind: str, variant: str, count: int, tag: str) -> int:
         """The instructions of a child process that does ``count`` of ``kind``."""
-        prefix = f"{self.prefix}{kind}:{variant}:{count}:"
-        child = [sys.executable, "-m", "tests.benchmarks.instructions", kind, variant]
-        child += [self.url, str(count), prefix]
-        environment = {**os.environ, "PYTHONHASHSEED": "0"}
-        if kind == "run":  # the queue is filled outside valgrind
-            subprocess.run([*child, "fill"], cwd=ROOT, env=environment, check=True)
-        output = self.scratch / f"callgrind.{kind}.{variant}.{count}"
-        subprocess.run(
-            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={output}", *child],
-            cwd=ROOT,
-            env=environment,
-            check=True,
-            capture_output=True,
-        )
+        output = self.scratch / f"callgrind.{kind}.{variant}.{tag}"
+        self._run_child(kind, variant, count, tag, callgrind_to=output)
         found = _TOTAL.search(output.read_bytes())
         if found is None:
             msg = f"no instruction total in {output}"
             raise RuntimeError(msg)
         return int(found.group(1))
+
+    def _run_child(
+        self,
+        kind: str,
+        variant: str,
+        count: int,
+        tag: str,
+        *,
+        callgrind_to: Path | None = None,
+        trace_to: Path | None = None,
+    ) -> None:
+        """Run one child (after filling its queue, for a run), under callgrind or traced.
+
+        The key prefix names the child by ``tag``, not by ``count``: the keys of
+        the ``low`` and ``high`` children are as long as each other.
+        """
+        prefix = f"{self.prefix}{kind}:{variant}:{tag}:"
+        child = [sys.executable, "-m", "tests.benchmarks.instructions", kind, variant]
+        child += [self.url, str(count), prefix]
+        environment = {**os.environ, "PYTHONHASHSEED": "0"}
+        if kind == "run":  # the queue is filled outside valgrind, and untraced
+            _run_to_end([*child, "fill"], environment)
+        if trace_to is not None:
+            environment[_TRACE_ENV] = str(trace_to)
+        if callgrind_to is not None:
+            child = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={callgrind_to}", *child]
+        _run_to_end(child, environment)
+
+
+def _run_to_end(command: list[str], environment: dict[str, str]) -> None:
+    """Run a child to its end; if it fails, say so with the end of what it wrote."""
+    try:
+        subprocess.run(
+            command,
+            cwd=ROOT,
+            env=environment,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=_CHILD_TIMEOUT,
+        )
+    except subprocess.CalledProcessError as exc:
+        msg = f"{shlex.join(command[-6:])} failed ({exc.returncode}): {exc.stderr[-3000:]}"
+        raise RuntimeError(msg) from None
 
 
 # The child processes
@@ -225,7 +293,7 @@ class Ruler:
 
 @contextlib.contextmanager
 def _traced() -> Iterator[None]:
-    """Count the bytecodes each function executes inside, if the parent asked for it."""
+    """Count the bytecodes each source file executes inside, if the parent asked for it."""
     output = os.environ.get(_TRACE_ENV)
     if not output:
         yield
@@ -252,7 +320,7 @@ def _traced() -> Iterator[None]:
         Path(output).write_text(json.dumps(executed))
 
 
-async def _send(variant: str, url: str, count: int, prefix: str) -> None:
+async def _child_send(variant: str, url: str, count: int, prefix: str) -> None:
     """``count`` sequential ``kiq()``s (or bare ``EVALSHA``s), after 50 to warm up."""
     import redis.asyncio  # noqa: PLC0415 (in the child only)
     from taskiq import AsyncBroker  # noqa: PLC0415
@@ -286,26 +354,34 @@ async def _send(variant: str, url: str, count: int, prefix: str) -> None:
     await broker.shutdown()
 
 
-async def _run(variant: str, url: str, count: int, prefix: str, *, fill: bool) -> None:
-    """Fill the variant's queue with ``count`` tasks, or drain it as a worker does."""
+async def _child_run(variant: str, url: str, count: int, prefix: str, *, fill: bool) -> None:
+    """Fill the variant's queue with ``count`` tasks, or drain it as a worker does.
+
+    Raises:
+        SystemExit: Not every run ran its body, or something logged a warning
+            (a middleware that failed a run, a lock call that timed out): the
+            count would not be of ``count`` runs like the others.
+    """
     from taskiq.receiver import Receiver  # noqa: PLC0415 (in the child only)
     from taskiq_redis import ListQueueBroker  # noqa: PLC0415
 
     from taskiq_deduplication import RedisDeduplicationMiddleware  # noqa: PLC0415
-    from tests.benchmarks.worker_app import Floor  # noqa: PLC0415
 
     middlewares: list[Any] = []
     if variant == "floor":
-        middlewares.append(Floor(url, prefix))
+        middlewares.append(worker_app.Floor(url, prefix))
     elif variant in _OPTIONS:
         options = {"key_prefix": prefix, "default_ttl": 300, **_OPTIONS[variant]}
         middlewares.append(RedisDeduplicationMiddleware(url, **options))
     broker = ListQueueBroker(url, queue_name=f"{prefix}queue", socket_timeout=None)
     broker = broker.with_middlewares(*middlewares)
 
+    bodies = [0]
+
     @broker.task(task_name="bench_sleep")
     async def sleep(n: int, seconds: float) -> int:
         await asyncio.sleep(seconds)
+        bodies[0] += 1
         return n
 
     if fill:
@@ -317,17 +393,34 @@ async def _run(variant: str, url: str, count: int, prefix: str, *, fill: bool) -
     broker.is_worker_process = True
     await broker.startup()
     receiver = Receiver(broker, max_async_tasks=100, max_tasks_to_execute=count, run_startup=False)
+    warnings = _Warnings()
+    logging.getLogger().addHandler(warnings)
     with _traced():
         await receiver.listen(asyncio.Event())
     await broker.shutdown()
+    if bodies[0] != count or warnings.said:
+        said = "; ".join(warnings.said[:3])
+        msg = f"{bodies[0]} of {count} runs ran their body; {len(warnings.said)} warning(s): {said}"
+        raise SystemExit(msg)
+
+
+class _Warnings(logging.Handler):
+    """Keeps what was logged at WARNING or above."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.said: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.said.append(f"{record.name}: {record.getMessage()}")
 
 
 def _child(argv: list[str]) -> None:
     kind, variant, url, count, prefix, *rest = argv
     if kind == "send":
-        asyncio.run(_send(variant, url, int(count), prefix))
+        asyncio.run(_child_send(variant, url, int(count), prefix))
     else:
-        asyncio.run(_run(variant, url, int(count), prefix, fill=rest == ["fill"]))
+        asyncio.run(_child_run(variant, url, int(count), prefix, fill=rest == ["fill"]))
 
 
 if __name__ == "__main__":
