@@ -9,14 +9,13 @@ import contextlib
 import json
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.benchmarks import instructions
-from tests.benchmarks.harness import Probe
+from tests.benchmarks.harness import Probe, new_prefix
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = (
@@ -121,7 +120,7 @@ def test_the_bytecodes_of_a_send_and_a_run_are_told_by_part(redis_url: str, tmp_
 @contextlib.contextmanager
 def _ruler(redis_url: str, scratch: Path) -> Iterator[instructions.Ruler]:
     """A quick ruler on ``redis_url``, whose keys go when it is done."""
-    prefix = f"bmi{uuid.uuid4().hex[:8]}:"
+    prefix = f"{new_prefix('i')}:"
     probe = Probe(redis_url)
     try:
         yield instructions.Ruler(redis_url, prefix, scratch, quick=True)

@@ -10,13 +10,12 @@ import os
 import shlex
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
 from tests.benchmarks import report, scenarios
-from tests.benchmarks.harness import Probe, quiet_logging
+from tests.benchmarks.harness import Probe, new_prefix, quiet_logging
 
 #: The sections in the order they run. Memory goes first, on a server whose
 #: keyspace the earlier sections have not filled with locks that expire meanwhile.
@@ -150,7 +149,7 @@ def _count_instructions(url: str, probe: Probe, *, quick: bool) -> report.Result
     from tests.benchmarks import instructions  # noqa: PLC0415 (runs valgrind)
 
     _say("counting instructions under callgrind (about ten minutes; --quick: two)")
-    prefix = f"bmi{uuid.uuid4().hex[:8]}:"
+    prefix = f"{new_prefix('i')}:"
     try:
         return instructions.measure(url, prefix, quick=quick)
     finally:

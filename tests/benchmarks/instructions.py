@@ -73,7 +73,7 @@ _OPTIONS: dict[str, dict[str, Any]] = {
     "dedup_no_heartbeat": {"heartbeat": False},
 }
 _TOTAL = re.compile(rb"^(?:summary|totals): (\d+)", re.MULTILINE)
-GENERATED = "generated methods (dataclasses, namedtuples)"
+_GENERATED = "generated methods (dataclasses, namedtuples)"
 #: The variant whose bytecodes each kind's parts are told against.
 _BASELINE = {"send": "without", "run": "floor"}
 _TRACE_ENV = "DEDUP_BENCH_TRACE"
@@ -105,10 +105,10 @@ def _parts() -> list[tuple[str, str]]:
     return [(str(place.resolve()), part) for place, part in places]
 
 
-def part_of(source: str, parts: list[tuple[str, str]]) -> str:
+def _part_of(source: str, parts: list[tuple[str, str]]) -> str:
     """The part of the code ``source`` (a code object's file name) belongs to."""
     if source.startswith("<"):  # code made at run time: <string> is a dataclass's __init__
-        return GENERATED
+        return _GENERATED
     resolved = str(Path(source).resolve())
     for place, part in parts:
         if resolved == place or resolved.startswith(place + os.sep):
@@ -229,7 +229,7 @@ class Ruler:
         self._run_child(kind, variant, count, f"traced-{tag}", trace_to=output)
         by_part: dict[str, int] = {}
         for source, executed in json.loads(output.read_text()).items():
-            part = part_of(source, parts)
+            part = _part_of(source, parts)
             by_part[part] = by_part.get(part, 0) + executed
         return by_part
 
@@ -323,7 +323,6 @@ def _traced() -> Iterator[None]:
 async def _child_send(variant: str, url: str, count: int, prefix: str) -> None:
     """``count`` sequential ``kiq()``s (or bare ``EVALSHA``s), after 50 to warm up."""
     import redis.asyncio  # noqa: PLC0415 (in the child only)
-    from taskiq import AsyncBroker  # noqa: PLC0415
 
     from taskiq_deduplication import RedisDeduplicationMiddleware  # noqa: PLC0415
     from tests.benchmarks.harness import NullBroker  # noqa: PLC0415
@@ -338,7 +337,7 @@ async def _child_send(variant: str, url: str, count: int, prefix: str) -> None:
             await script(keys=[f"{prefix}{n}"], args=["a", 10_000])
         await client.aclose()
         return
-    broker: AsyncBroker = NullBroker()
+    broker: taskiq.AsyncBroker = NullBroker()
     if variant == "dedup":
         broker = broker.with_middlewares(RedisDeduplicationMiddleware(url, key_prefix=prefix))
 
